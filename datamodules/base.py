@@ -1,0 +1,161 @@
+"""Base DataModule for synthetic distributions whose samples are pure functions of (seed, split, index).
+
+Dataloaders only carry sample indices; the samples themselves are generated after the batch reaches
+the model's device (``on_after_batch_transfer``), so generation costs no CPU time on a GPU run and the
+same seed gives the same samples whatever the batch size, worker count or device count.
+
+Two modes:
+* ``fixed``: ``num_train`` samples drawn once (the theory's full-batch setting), cached on device;
+  ``batch_size=None`` means full batch: one step per epoch.
+* ``online``: fresh training samples every step; epoch ``e`` uses indices
+  ``[e * L, (e + 1) * L)`` with ``L = steps_per_epoch * batch_size``. Validation and test stay fixed.
+
+Subclasses implement :meth:`sample` and :attr:`features`.
+
+Example:
+    >>> class Gauss(SyntheticDataModule):
+    ...     features = torch.eye(3)
+    ...     def sample(self, index, split):
+    ...         return {"x": rng.normal(self.seed, self.stream(split), index, (3,))}
+    >>> dm = Gauss(num_train=8, batch_size=4)
+    >>> dm.full("train")["x"].shape
+    torch.Size([8, 3])
+"""
+from functools import partial
+from typing import Literal
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from featlearn.datamodules import rng
+from featlearn.errors import ConfigError
+
+SPLITS = ("train", "val", "test")
+
+
+class _Indices(Dataset):
+    def __init__(self, length: int):
+        self.length = length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, i: int) -> int:
+        return i
+
+
+def _collate(items: list[int], split: str) -> dict:
+    return {"index": torch.tensor(items, dtype=torch.int64), "split": split}
+
+
+class SyntheticDataModule(L.LightningDataModule):
+    """Shared plumbing for every synthetic distribution; see the module docstring.
+
+    Args:
+        seed: seed of the whole distribution (features and samples).
+        mode: ``fixed`` (N samples, full-batch theory) or ``online`` (fresh samples every step).
+        batch_size: samples per step and per device; ``None`` = the whole fixed split.
+        num_train, num_val, num_test: sizes of the fixed splits (``num_train`` unused online).
+        steps_per_epoch: training steps per epoch in online mode.
+        shuffle: reshuffle fixed training minibatches every epoch (order is a function of seed, epoch).
+    """
+
+    def __init__(
+        self,
+        seed: int = 0,
+        mode: Literal["fixed", "online"] = "fixed",
+        batch_size: int | None = None,
+        num_train: int = 1000,
+        num_val: int = 1000,
+        num_test: int = 1000,
+        steps_per_epoch: int = 100,
+        shuffle: bool = True,
+    ):
+        super().__init__()
+        if mode not in ("fixed", "online"):
+            raise ConfigError("data.mode", "'fixed' or 'online'", mode)
+        for name, value in (("num_train", num_train), ("num_val", num_val), ("num_test", num_test),
+                            ("steps_per_epoch", steps_per_epoch)):
+            if value < 1:
+                raise ConfigError(f"data.{name}", "a positive integer", value)
+        if batch_size is not None and batch_size < 1:
+            raise ConfigError("data.batch_size", "a positive integer or null (full batch)", batch_size)
+        if mode == "online" and batch_size is None:
+            raise ConfigError("data.batch_size", "a positive integer in online mode", batch_size)
+        self.seed, self.mode, self.batch_size, self.shuffle = seed, mode, batch_size, shuffle
+        self.sizes = {"train": num_train, "val": num_val, "test": num_test}
+        self.steps_per_epoch = steps_per_epoch
+        self._cache: dict[tuple[str, str], dict] = {}
+
+    # --- to implement -------------------------------------------------------------------------
+    def sample(self, index: torch.Tensor, split: str) -> dict[str, torch.Tensor]:
+        """The samples with these indices, generated on ``index.device``."""
+        raise NotImplementedError
+
+    @property
+    def features(self) -> torch.Tensor:
+        """Ground-truth feature directions, one per row ``[F, d]``."""
+        raise NotImplementedError
+
+    # --- shared -------------------------------------------------------------------------------
+    @staticmethod
+    def stream(split: str, quantity: int = 0) -> int:
+        """RNG stream id for one random quantity of one split (so splits never share numbers)."""
+        return 1000 * (SPLITS.index(split) + 1) + quantity
+
+    def full(self, split: str, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+        """The whole fixed split on ``device`` (cached); ``index`` holds the sample indices."""
+        key = (split, str(torch.device(device)))
+        if key not in self._cache:
+            index = torch.arange(self.sizes[split], device=device)
+            self._cache[key] = {**self.sample(index, split), "index": index}
+        return self._cache[key]
+
+    def batch(self, index: torch.Tensor, split: str) -> dict[str, torch.Tensor]:
+        """Samples for these indices: fixed splits are read from the device cache, online ones drawn."""
+        if split == "train" and self.mode == "online":
+            out = self.sample(index, split)
+        else:
+            return {k: v[index] for k, v in self.full(split, index.device).items()}
+        return {**out, "index": index}
+
+    def _epoch(self) -> int:
+        trainer = getattr(self, "trainer", None)
+        return trainer.current_epoch if trainer is not None else 0
+
+    def _loader(self, split: str) -> DataLoader:
+        online = split == "train" and self.mode == "online"
+        length = self.steps_per_epoch * self.batch_size if online else self.sizes[split]
+        return DataLoader(_Indices(length), batch_size=self.batch_size or length, shuffle=False,
+                          collate_fn=partial(_collate, split=split), num_workers=0)
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader("train")
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader("val")
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader("test")
+
+    def predict_dataloader(self) -> DataLoader:
+        return self._loader("test")
+
+    def on_after_batch_transfer(self, batch, dataloader_idx: int):
+        if not (isinstance(batch, dict) and "split" in batch and "index" in batch):
+            return batch
+        split, index = batch["split"], batch["index"]
+        if split == "train":
+            index = self._train_index(index)
+        return self.batch(index, split)
+
+    def _train_index(self, index: torch.Tensor) -> torch.Tensor:
+        epoch = self._epoch()
+        if self.mode == "online":
+            return index + epoch * self.steps_per_epoch * self.batch_size
+        n = self.sizes["train"]
+        if self.shuffle and self.batch_size is not None and self.batch_size < n:
+            order = rng.permutation(self.seed, 999, torch.tensor([epoch], device=index.device), n)[0]
+            return order[index]
+        return index

@@ -1,0 +1,152 @@
+"""Multi-view data of mask-reconstruction pretraining (seed 000, spec 000_mrp.md section 1).
+
+Each class ``i`` of ``k`` owns two orthonormal features ``v[i,0], v[i,1]``. A sample of class ``y``
+has ``P`` patches of dimension ``d``; both own features (multi-view) or one main feature plus a weak
+copy of the other (single-view, probability ``mu``) sit on ``C_p`` patches each, off-class features
+appear with probability ``s/k`` each on their own ``C_p`` patches, every patch carries feature noise
+``alpha ~ U[0, gamma]`` along all ``2k`` features and Gaussian noise (std ``sigma_p`` on feature
+patches, ``gamma k / sqrt(d)`` on background patches). Coefficients split a per-feature sum ``S``
+equally over its patches: own ``S ~ U[1, 1.2]``, single-view weak ``U[rho, 1.2 rho]``, off-class
+``U[0.2, 0.4]`` (spec 1.5).
+
+Splits: the training split is the unlabelled pretraining set (``train_set="pretrain"``, size
+``num_pretrain``) or the labelled downstream set (``train_set="downstream"``, ``num_downstream``),
+drawn from disjoint random streams; ``val`` and ``test`` are further disjoint draws.
+
+Example:
+    >>> dm = MultiViewDataModule(k=4, d=16, P=10, s=1, num_pretrain=8)
+    >>> batch = dm.full("train")
+    >>> batch["x"].shape, dm.features.shape
+    (torch.Size([8, 10, 16]), torch.Size([8, 16]))
+"""
+from typing import Literal
+
+import torch
+
+from featlearn.datamodules import rng
+from featlearn.datamodules.base import SyntheticDataModule
+from featlearn.errors import ConfigError
+
+_STREAMS = {"pretrain": 1, "downstream": 2, "val": 3, "test": 4}
+_Y, _SINGLE, _MAIN, _OFF, _PRIORITY, _PATCHES, _SUMS, _CLOSE, _ALPHA, _NOISE = range(10)
+
+
+class MultiViewDataModule(SyntheticDataModule):
+    """Samples of spec section 1; see the module docstring for the distribution.
+
+    Args:
+        k: classes (2k features). d: patch dimension (>= 2k). P: patches (>= C_p (2 + 4 s)).
+        C_p: patches per feature. s: expected off-class features per class pair (probability s/k each).
+        mu: probability of a single-view sample. rho: weight of the weak feature in single-view data.
+        sigma_p: noise std on feature patches. gamma: feature-noise level (alpha ~ U[0, gamma]).
+        close_prob: probability of putting a feature sum at its end point (1 own, 0.4 off-class).
+        basis: ``identity`` (v = first 2k coordinate axes) or ``random`` orthonormal features.
+        train_set: which set the training split is. num_pretrain, num_downstream: their sizes.
+        Remaining arguments: :class:`SyntheticDataModule`.
+    """
+
+    def __init__(
+        self,
+        k: int = 10,
+        d: int = 256,
+        P: int = 16,
+        C_p: int = 1,
+        s: float = 2.0,
+        mu: float = 0.2,
+        rho: float = 0.1,
+        sigma_p: float = 0.005,
+        gamma: float = 0.002,
+        close_prob: float = 0.0,
+        basis: Literal["identity", "random"] = "identity",
+        train_set: Literal["pretrain", "downstream"] = "pretrain",
+        num_pretrain: int = 1000,
+        num_downstream: int = 500,
+        seed: int = 0,
+        mode: Literal["fixed", "online"] = "fixed",
+        batch_size: int | None = None,
+        num_val: int = 1000,
+        num_test: int = 2000,
+        steps_per_epoch: int = 100,
+        shuffle: bool = True,
+    ):
+        checks = [
+            ("k", k >= 2, "an integer >= 2"),
+            ("d", d >= 2 * k, f"at least 2k = {2 * k}"),
+            ("C_p", C_p >= 1, "an integer >= 1"),
+            ("s", 0 <= s <= k, f"in [0, k = {k}]"),
+            ("P", P >= C_p * (2 + 4 * s), f"at least C_p (2 + 4 s) = {C_p * (2 + 4 * s):g} patches"),
+            ("mu", 0 <= mu <= 1, "in [0, 1]"),
+            ("rho", 0 < rho <= 1, "in (0, 1]"),
+            ("sigma_p", sigma_p >= 0, ">= 0"),
+            ("gamma", gamma >= 0, ">= 0"),
+            ("close_prob", 0 <= close_prob <= 1, "in [0, 1]"),
+            ("basis", basis in ("identity", "random"), "'identity' or 'random'"),
+            ("train_set", train_set in ("pretrain", "downstream"), "'pretrain' or 'downstream'"),
+        ]
+        for name, ok, allowed in checks:
+            if not ok:
+                raise ConfigError(f"data.{name}", allowed, locals()[name])
+        num_train = num_pretrain if train_set == "pretrain" else num_downstream
+        super().__init__(seed, mode, batch_size, num_train, num_val, num_test, steps_per_epoch, shuffle)
+        self.k, self.d, self.P, self.C_p, self.s, self.mu, self.rho = k, d, P, C_p, s, mu, rho
+        self.sigma_p, self.gamma, self.close_prob, self.basis, self.train_set = sigma_p, gamma, close_prob, basis, train_set
+        self._features = self._make_features()
+
+    def _make_features(self) -> torch.Tensor:
+        if self.basis == "identity":
+            return torch.eye(2 * self.k, self.d)
+        gauss = rng.global_normal(self.seed, 7, (self.d, 2 * self.k), dtype=torch.float64)
+        return torch.linalg.qr(gauss).Q.T.float().contiguous()
+
+    @property
+    def features(self) -> torch.Tensor:
+        """``[2k, d]``; row ``2 i + l`` is feature ``v[i, l]`` (class i, view l)."""
+        return self._features
+
+    def feature_class(self) -> torch.Tensor:
+        """Class of each feature row: ``[0, 0, 1, 1, ...]``."""
+        return torch.arange(2 * self.k) // 2
+
+    def stream(self, split: str, quantity: int = 0) -> int:
+        name = self.train_set if split == "train" else split
+        return 1000 * _STREAMS[name] + quantity
+
+    def sample(self, index: torch.Tensor, split: str) -> dict[str, torch.Tensor]:
+        """Samples ``{"x": [B,P,d], "y": [B], "single_view": [B] bool, "main_view": [B] (-1 multi),
+        "dropped": [B] off-class features dropped for lack of patches}`` on ``index.device``."""
+        k, P, C_p, dev = self.k, self.P, self.C_p, index.device
+        F = 2 * k
+
+        def draw(kind, fn, *args):
+            return fn(self.seed, self.stream(split, kind), index, *args)
+
+        y = draw(_Y, rng.randint, (), k)
+        single = draw(_SINGLE, rng.bernoulli, (), self.mu)
+        main = torch.where(single, draw(_MAIN, rng.randint, (), 2), torch.full_like(y, -1))
+        fclass = torch.arange(F, device=dev) // 2
+        own = fclass == y[:, None]                                                     # [B, F]
+        present = own | (draw(_OFF, rng.bernoulli, (F,), self.s / k) & ~own)
+        # Own features first, then present off-class features in random order; keep what fits in P.
+        priority = torch.where(own, -1.0, draw(_PRIORITY, rng.uniform, (F,), torch.float64))
+        priority = priority.masked_fill(~present, float("inf"))
+        position = torch.argsort(torch.argsort(priority, dim=1), dim=1)                # rank of feature
+        kept = present & (position < P // C_p)
+        slots = position.clamp_max(P // C_p - 1)[..., None] * C_p + torch.arange(C_p, device=dev)
+        patches = torch.gather(draw(_PATCHES, rng.permutation, P), 1, slots.flatten(1)).view(-1, F, C_p)
+
+        u = draw(_SUMS, rng.uniform, (F,))
+        close = draw(_CLOSE, rng.bernoulli, (F,), self.close_prob)
+        own_sum = torch.where(close, 1.0, 1.0 + 0.2 * u)
+        off_sum = torch.where(close, 0.4, 0.2 + 0.2 * u)
+        weak = own & single[:, None] & ((torch.arange(F, device=dev) % 2) != main[:, None])
+        sums = torch.where(own, torch.where(weak, self.rho * (1.0 + 0.2 * u), own_sum), off_sum) * kept
+
+        z = torch.zeros(len(index), P, F, device=dev)
+        z.scatter_(1, patches.transpose(1, 2), (sums / C_p)[:, None, :].expand(-1, C_p, -1))
+        on_feature = z.sum(-1) > 0                                                      # [B, P]
+        coeff = z + self.gamma * draw(_ALPHA, rng.uniform, (P, F))
+        noise_std = torch.where(on_feature, self.sigma_p, self.gamma * k / self.d ** 0.5)
+        x = draw(_NOISE, rng.normal, (P, self.d)) * noise_std[..., None]
+        x = x + coeff @ self.features.to(dev)
+        return {"x": x, "y": y, "single_view": single, "main_view": main,
+                "dropped": (present & ~kept).sum(1)}

@@ -1,0 +1,43 @@
+"""Run configs through the featlearn CLI from Python and write result tables (shared by all experiments)."""
+import json
+from pathlib import Path
+
+import torch
+
+from featlearn.cli import FeatlearnCLI
+from featlearn.datamodules.base import SyntheticDataModule
+from featlearn.lightning_modules.base import FeatureLearningModule
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+def build(config: str, out: Path, name: str, *overrides: str) -> FeatlearnCLI:
+    """Instantiate trainer, model and data from ``configs/<config>`` with TensorBoard logs in ``out/name``."""
+    args = ["--config", str(CONFIGS / config), "--trainer.logger.init_args.save_dir", str(out),
+            "--trainer.logger.init_args.name", name, "--trainer.logger.init_args.version", "",
+            "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
+            *overrides]
+    return FeatlearnCLI(FeatureLearningModule, SyntheticDataModule, subclass_mode_model=True,
+                        subclass_mode_data=True, seed_everything_default=0, args=args, run=False,
+                        auto_configure_optimizers=False)
+
+
+def scalars(metrics: dict) -> dict[str, float]:
+    return {k: round(float(v), 4) for k, v in metrics.items() if torch.is_tensor(v) and v.numel() == 1}
+
+
+def markdown_table(rows: dict[str, dict[str, object]], columns: list[str]) -> str:
+    """Rows keyed by setting name, one column per metric."""
+    head = "| setting | " + " | ".join(columns) + " |"
+    rule = "|---|" + "---|" * len(columns)
+    body = ["| " + name + " | " + " | ".join(str(row.get(c, "")) for c in columns) + " |" for name, row in rows.items()]
+    return "\n".join([head, rule, *body])
+
+
+def write_results(out: Path, stem: str, results: dict, table: str) -> None:
+    """Save ``<stem>.json`` and ``<stem>.md`` beside the logs and print the table."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps(results, indent=2))
+    (out / f"{stem}.md").write_text(table + "\n")
+    print(table)
+    print(f"\nwrote {out / (stem + '.json')} and {out / (stem + '.md')}")

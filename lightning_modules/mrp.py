@@ -1,0 +1,165 @@
+"""Mask-reconstruction pretraining (seed 000): teacher-student MRP and the tied-weight MAE variant.
+
+Teacher-student (spec 2.3, 3.1): the student sees the masked input ``eps X`` (patch kept with
+probability ``theta``), decodes ``h_r / theta`` and regresses the teacher's pooled features
+``h^_r(X)`` computed with ``w^_r = tau w_r`` (stop-gradient copy, not an EMA),
+``tau = 1 + (1 - theta) / (C_p theta) + c_tau / (t^(1/q) + 1)``. ``loss="expected"`` uses the closed
+form over masks ``1/2 sum_r (H^_r - H_r)^2 + 1/2 (1/theta - 1) sum_{r,p} f(<w_r, x_p>)^2``;
+``loss="mc"`` samples one mask per sample and step.
+
+Stabilisation (spec 8, F1/F2): with ``tau > 1`` the literal dynamics are not the gradient of a bounded
+function and blow up once a kernel is active on two co-occurring features. ``norm_cap`` (default 1)
+projects every kernel back onto ``||w_r|| <= norm_cap`` after each step (projected GD, a labelled
+deviation from the paper); ``norm_cap: null`` runs the literal dynamics (they diverge; the
+DivergenceGuard stops them). ``stop_after_capture`` ends pretraining that many steps after every
+feature is captured (spec A11).
+
+Example:
+    >>> from featlearn.datamodules.multiview import MultiViewDataModule
+    >>> dm = MultiViewDataModule(k=4, d=16, P=10, s=1, num_pretrain=32)
+    >>> model = TeacherStudentMRP(m=2).attach(dm)
+    >>> model.loss(dm.full("train")).shape
+    torch.Size([])
+"""
+from typing import Literal
+
+import lightning as L
+import torch
+
+from featlearn.datamodules import rng
+from featlearn.errors import ConfigError
+from featlearn.lightning_modules.multiview_encoder import MultiViewEncoder
+
+
+def teacher_student_expected_loss(student: torch.Tensor, teacher: torch.Tensor, squares: torch.Tensor,
+                                  theta: float) -> torch.Tensor:
+    """Mask-expected teacher-student loss from patch sums ``[B, R]``, averaged over samples."""
+    return 0.5 * ((teacher - student) ** 2).sum(1).mean() + 0.5 * (1 / theta - 1) * squares.sum(1).mean()
+
+
+def teacher_student_masked_loss(masked_student: torch.Tensor, teacher: torch.Tensor, theta: float) -> torch.Tensor:
+    """Teacher-student loss for one sampled mask: ``1/2 sum_r (H^_r - H_r(eps X) / theta)^2``, mean over samples."""
+    return 0.5 * ((teacher - masked_student / theta) ** 2).sum(1).mean()
+
+
+class _MaskedPretraining(MultiViewEncoder):
+    """Keep probability, mask sampling, norm cap and stop rule shared by both pretraining variants."""
+
+    def __init__(self, theta: float, loss: str, norm_cap: float | None, stop_after_capture: int | None,
+                 mask_seed: int, **encoder):
+        super().__init__(**encoder)
+        if not 0 < theta < 1:
+            raise ConfigError("model.theta", "a keep probability in (0, 1)", theta)
+        if loss not in ("expected", "mc"):
+            raise ConfigError("model.loss", "'expected' or 'mc'", loss)
+        if norm_cap is not None and norm_cap <= 0:
+            raise ConfigError("model.norm_cap", "> 0 or null", norm_cap)
+        if stop_after_capture is not None and stop_after_capture < 0:
+            raise ConfigError("model.stop_after_capture", ">= 0 or null", stop_after_capture)
+        self.theta, self.loss_kind, self.norm_cap = theta, loss, norm_cap
+        self.stop_after_capture, self.mask_seed = stop_after_capture, mask_seed
+        self._all_captured_at: int | None = None
+
+    def sample_mask(self, index: torch.Tensor, P: int) -> torch.Tensor:
+        """Keep-mask ``[B, P]``, a function of (mask_seed, step, sample index)."""
+        return rng.bernoulli(self.mask_seed, 100_000 + self.global_step, index, (P,), self.theta).float()
+
+    def training_step(self, batch, batch_idx):
+        loss = self.loss(batch)
+        self.log(f"pretrain/loss_{self.loss_kind}", loss, prog_bar=True)
+        return loss
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        if self.norm_cap is not None:
+            with torch.no_grad():
+                norms = self.weight.norm(dim=1, keepdim=True)
+                self.weight.mul_((self.norm_cap / norms).clamp(max=1.0))
+        stats = self.log_capture("pretrain")
+        if stats["frac_captured"] >= 1 and self._all_captured_at is None:
+            self._all_captured_at = self.global_step
+        if (self.stop_after_capture is not None and self._all_captured_at is not None
+                and self.global_step - self._all_captured_at >= self.stop_after_capture):
+            self.trainer.should_stop = True
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+class TeacherStudentMRP(_MaskedPretraining):
+    """Teacher-student mask-reconstruction pretraining (the paper's main framework).
+
+    Args:
+        theta: keep probability of a patch (mask ratio ``1 - theta``), in (0, 1).
+        loss: ``expected`` (closed form over masks, the theory's objective) or ``mc`` (sampled masks).
+        c_tau: constant of the decaying part of ``tau`` (0: constant ``tau``, spec A5).
+        norm_cap: projected-GD radius per kernel (``null``: literal, unstable dynamics).
+        stop_after_capture: stop this many steps after all features are captured (``null``: never).
+        mask_seed: seed of the sampled masks (``loss=mc``).
+        m, q, rho, sigma0, lr, capture_threshold, backend: see :class:`MultiViewEncoder`.
+    """
+
+    def __init__(self, theta: float = 0.5, loss: Literal["expected", "mc"] = "expected", c_tau: float = 0.0,
+                 norm_cap: float | None = 1.0, stop_after_capture: int | None = 200, mask_seed: int = 0,
+                 m: int = 3, q: int = 3, rho: float = 0.25, sigma0: float = 0.02, lr: float = 5.0,
+                 capture_threshold: float | None = None, backend: str = "auto"):
+        super().__init__(theta, loss, norm_cap, stop_after_capture, mask_seed, m=m, q=q, rho=rho,
+                         sigma0=sigma0, lr=lr, capture_threshold=capture_threshold, backend=backend)
+        if q < 3:
+            raise ConfigError("model.q", "an integer >= 3 for teacher-student MRP (Assumption C.2)", q)
+        if c_tau < 0:
+            raise ConfigError("model.c_tau", ">= 0", c_tau)
+        self.c_tau = c_tau
+        self.save_hyperparameters()
+
+    def tau(self) -> float:
+        """Teacher scale at the current step (needs the DataModule's ``C_p``)."""
+        t = self.global_step
+        return 1 + (1 - self.theta) / (self.dm.C_p * self.theta) + self.c_tau / (t ** (1 / self.q) + 1)
+
+    def loss(self, batch) -> torch.Tensor:
+        x, tau = batch["x"], self.tau()
+        if self.loss_kind == "expected":
+            sums = self.encode(x, teacher_scale=tau, squares=True)
+            return teacher_student_expected_loss(sums.student, sums.teacher, sums.squares, self.theta)
+        sums = self.encode(x, teacher_scale=tau, mask=self.sample_mask(batch["index"], x.shape[1]))
+        return teacher_student_masked_loss(sums.student, sums.teacher, self.theta)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        self.log("pretrain/tau", self.tau())
+        super().on_train_batch_end(outputs, batch, batch_idx)
+
+
+def mae_expected_loss(x: torch.Tensor, w: torch.Tensor, act, theta: float) -> torch.Tensor:
+    """Mask-expected tied-weight MAE loss ``1/2 ||X - G||^2 + 1/2 (1/theta - 1) ||G||^2``, ``G = f(X W^T) W``."""
+    g = act(x @ w.T) @ w
+    return 0.5 * ((x - g) ** 2).sum((1, 2)).mean() + 0.5 * (1 / theta - 1) * (g ** 2).sum((1, 2)).mean()
+
+
+def mae_masked_loss(x: torch.Tensor, w: torch.Tensor, act, theta: float, mask: torch.Tensor) -> torch.Tensor:
+    """Tied-weight MAE loss for one mask: patch ``p`` decoded from ``eps_p x_p`` only, scaled by ``1/theta``."""
+    g = act((x * mask[..., None]) @ w.T) @ w / theta
+    return 0.5 * ((x - g) ** 2).sum((1, 2)).mean()
+
+
+class MaskedAutoencoderMRP(_MaskedPretraining):
+    """Tied-weight MAE variant (spec 2.4, 3.2): reconstruct every patch's pixels; needs ``q >= 4``.
+
+    Kernels compete through the shared residual, so no norm cap is needed by default.
+    Args as :class:`TeacherStudentMRP` (no teacher).
+    """
+
+    def __init__(self, theta: float = 0.5, loss: Literal["expected", "mc"] = "expected",
+                 norm_cap: float | None = None, stop_after_capture: int | None = 200, mask_seed: int = 0,
+                 m: int = 3, q: int = 4, rho: float = 0.25, sigma0: float = 0.02, lr: float = 5.0,
+                 capture_threshold: float | None = None, backend: str = "auto"):
+        super().__init__(theta, loss, norm_cap, stop_after_capture, mask_seed, m=m, q=q, rho=rho,
+                         sigma0=sigma0, lr=lr, capture_threshold=capture_threshold, backend=backend)
+        if q < 4:
+            raise ConfigError("model.q", "an integer >= 4 for the MAE variant (Assumption H.1)", q)
+        self.save_hyperparameters()
+
+    def loss(self, batch) -> torch.Tensor:
+        x = batch["x"]
+        if self.loss_kind == "expected":
+            return mae_expected_loss(x, self.weight, self.activation, self.theta)
+        return mae_masked_loss(x, self.weight, self.activation, self.theta, self.sample_mask(batch["index"], x.shape[1]))

@@ -1,0 +1,55 @@
+"""The counter-based RNG: stated statistics, and values that depend only on (seed, stream, index)."""
+import math
+
+import pytest
+import torch
+
+from featlearn.datamodules import rng
+
+
+def test_uniform_and_normal_moments():
+    index = torch.arange(3001)
+    u = rng.uniform(5, 1, index, (333,), torch.float64).flatten()
+    n = u.numel()
+    assert 0 <= u.min() and u.max() < 1
+    # mean 1/2 and variance 1/12 within 5 standard errors
+    assert abs(u.mean() - 0.5) < 5 * math.sqrt(1 / 12 / n)
+    assert abs(u.var() - 1 / 12) < 5 * math.sqrt(1 / 180 / n)
+    z = rng.normal(5, 2, index, (333,), torch.float64).flatten()
+    assert abs(z.mean()) < 5 / math.sqrt(n)
+    assert abs(z.var() - 1) < 5 * math.sqrt(2 / n)
+    assert abs((z ** 4).mean() - 3) < 5 * math.sqrt(96 / n)
+    # no correlation between neighbouring counters or neighbouring indices
+    zz = rng.normal(5, 2, index, (333,), torch.float64)
+    assert abs((zz[:, 1:] * zz[:, :-1]).mean()) < 5 / math.sqrt(n)
+    assert abs((zz[1:] * zz[:-1]).mean()) < 5 / math.sqrt(n)
+
+
+def test_values_depend_only_on_seed_stream_index():
+    index = torch.tensor([0, 17, 2**33 + 5, 123456789])
+    full = rng.normal(3, 4, index, (5, 7))
+    for i in range(len(index)):
+        assert torch.equal(rng.normal(3, 4, index[i:i + 1], (5, 7))[0], full[i])
+    assert not torch.equal(rng.normal(4, 4, index, (5, 7)), full)
+    assert not torch.equal(rng.normal(3, 5, index, (5, 7)), full)
+    assert not torch.equal(full[2], rng.normal(3, 4, torch.tensor([5]), (5, 7))[0])  # high word counts
+
+
+def test_bernoulli_randint_permutation():
+    index = torch.arange(20011)
+    b = rng.bernoulli(0, 9, index, (), 0.3).double()
+    assert abs(b.mean() - 0.3) < 5 * math.sqrt(0.21 / len(index))
+    r = rng.randint(0, 10, index, (), 7)
+    counts = torch.bincount(r, minlength=7).double()
+    assert r.min() == 0 and r.max() == 6
+    assert ((counts - len(index) / 7).abs() < 5 * math.sqrt(len(index) / 7)).all()
+    perm = rng.permutation(0, 11, index[:500], 9)
+    assert torch.equal(perm.sort(1).values, torch.arange(9).expand(500, 9))
+    first = torch.bincount(perm[:, 0], minlength=9).double()
+    assert ((first - 500 / 9).abs() < 5 * math.sqrt(500 / 9)).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_global_normal_is_fixed(dtype):
+    a = rng.global_normal(1, 2, (3, 4), dtype=dtype)
+    assert a.dtype == dtype and torch.equal(a, rng.global_normal(1, 2, (3, 4), dtype=dtype))

@@ -1,0 +1,91 @@
+"""Runs through Lightning: small-config capture, exact resume, divergence stop, the CLI's config errors."""
+import lightning as L
+import pytest
+import torch
+
+from featlearn.callbacks import DivergenceGuard
+from featlearn.cli import main
+from featlearn.datamodules.multiview import MultiViewDataModule
+from featlearn.errors import DivergenceError
+from featlearn.lightning_modules.mrp import TeacherStudentMRP
+
+
+def small_data(**kw):
+    args = dict(k=4, d=32, P=8, s=1.0, num_pretrain=200, seed=1)
+    return MultiViewDataModule(**{**args, **kw})
+
+
+def trainer(tmp_path, max_steps, **kw):
+    return L.Trainer(max_steps=max_steps, max_epochs=-1, logger=False, enable_progress_bar=False,
+                     enable_model_summary=False, default_root_dir=tmp_path, **kw)
+
+
+def test_small_pretraining_captures_every_feature(tmp_path):
+    L.seed_everything(0)
+    dm = small_data()
+    model = TeacherStudentMRP(m=3, sigma0=0.02, lr=10.0, stop_after_capture=30, backend="torch")
+    trainer(tmp_path, 1500, enable_checkpointing=False, callbacks=[DivergenceGuard()]).fit(model, dm)
+    stats = model.trainer.callback_metrics
+    assert stats["pretrain/frac_captured"] == 1.0                   # Theorem 1 (a): every feature
+    capturing = stats["pretrain/kernels/pure"] + stats["pretrain/kernels/sameclass"] + stats["pretrain/kernels/crossclass"]
+    assert stats["pretrain/kernels/crossclass"] <= 0.1 * capturing  # a kernel holds one class at most
+    assert stats["pretrain/winner_in_M0_frac"] >= 0.5               # lottery winners mostly from M0
+    assert (model.first_capture_step >= 0).all()
+    assert model.trainer.global_step < 1500                         # the stop rule ended the run
+    assert model.weight.norm(dim=1).max() <= 1.0 + 1e-5             # projected GD
+
+
+@pytest.mark.parametrize("mode", ["fixed", "online"])
+def test_resume_continues_exactly(tmp_path, mode):
+    def run(steps, ckpt=None, save=None):
+        L.seed_everything(0)
+        dm = small_data(mode=mode, batch_size=16, num_pretrain=48, steps_per_epoch=3)
+        model = TeacherStudentMRP(m=2, sigma0=0.05, lr=20.0, loss="mc", stop_after_capture=None, backend="torch")
+        t = trainer(tmp_path, steps, enable_checkpointing=False)
+        t.fit(model, dm, ckpt_path=ckpt)
+        if save:
+            t.save_checkpoint(save)
+        return model.weight.detach().clone()
+    straight = run(12)
+    run(6, save=tmp_path / "half.ckpt")
+    resumed = run(12, ckpt=tmp_path / "half.ckpt")
+    assert not torch.equal(straight, run(6))                      # the second half does change weights
+    torch.testing.assert_close(resumed, straight, rtol=0, atol=0)
+
+
+def test_divergence_stops_and_keeps_last_good_checkpoint(tmp_path):
+    L.seed_everything(0)
+    model = TeacherStudentMRP(m=2, sigma0=0.5, lr=1e6, norm_cap=None, backend="torch")
+    ckpt = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path, save_last=True, every_n_train_steps=1,
+                                               save_top_k=0, monitor=None)
+    with pytest.raises(DivergenceError, match=r"global step \d+.*(train loss|parameter 'weight'|metric) .*(nan|inf)"):
+        trainer(tmp_path, 100, callbacks=[DivergenceGuard(), ckpt]).fit(model, small_data())
+    last = torch.load(tmp_path / "last.ckpt", weights_only=True)
+    assert torch.isfinite(last["state_dict"]["weight"]).all()
+    assert last["global_step"] >= 1
+
+
+CONFIG = "configs/mrp/teacher_student.yaml"
+
+
+@pytest.mark.parametrize("override,needle", [
+    (["--model.init_args.theta", "1.5"], "model.theta: must be a keep probability in (0, 1), got 1.5"),
+    (["--model.init_args.q", "2"], "model.q: must be"),
+    (["--data.init_args.d", "12"], "data.d: must be at least 2k = 20"),
+    (["--data.init_args.P", "6"], "data.P: must be at least C_p (2 + 4 s) = 10"),
+    (["--model.init_args.backend", "cuda"], "model.backend: must be one of ('auto', 'torch', 'triton')"),
+])
+def test_cli_refuses_bad_config_before_training(tmp_path, capsys, override, needle):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", CONFIG, "--trainer.default_root_dir", str(tmp_path), *override])
+    assert exit_info.value.code not in (0, None)
+    assert needle in capsys.readouterr().err + str(exit_info.value.code)
+    assert not list(tmp_path.rglob("*.ckpt"))
+
+
+def test_cli_print_config_shows_defaults(capsys):
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", CONFIG, "--print_config"])
+    printed = capsys.readouterr().out
+    for needle in ("norm_cap: 1.0", "c_tau: 0.0", "sigma_p: 0.005", "every_n_steps: 50", "DivergenceGuard" if False else "divergence"):
+        assert needle in printed
