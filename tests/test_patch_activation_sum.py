@@ -1,0 +1,243 @@
+"""patch_activation_sum: torch fallback and Triton (interpreter) against a float64 reference."""
+import importlib
+import itertools
+
+import pytest
+import torch
+
+from featlearn.errors import ConfigError
+from featlearn.kernels import Activation, PatchSums, patch_activation_sum, patch_activation_sum_reference
+
+# the package re-exports the function under the module's name, so fetch the module itself
+pas = importlib.import_module("featlearn.kernels.patch_activation_sum")
+
+BACKENDS = ["torch", "triton"]
+ACTS = [Activation("srelu", q=3, rho=0.5), Activation("srelu", q=2, rho=0.2), Activation("relu"),
+        Activation("pow", q=3), Activation("pow", q=2)]
+# (mask kind, teacher_scale, squares)
+OPTIONS = [(None, None, False), ("bool", 1.5, True), ("float", None, True), (None, 0.7, False)]
+SHAPES = [(5, 7, 37, 19), (3, 4, 17, 11), (1, 1, 1, 1), (4, 3, 20, 17), (2, 5, 33, 1), (5, 1, 3, 18)]
+# float32 results vs float64: fp32 rounding (~6e-8) grows with the d-term dot products and the
+# q-th power (relative error x q) and with the P-sum; 3e-5 of the output scale leaves a wide margin
+# over the ~3e-7 seen, while any indexing/masking bug gives O(1) errors.
+TOL = {torch.float32: 3e-5, torch.float64: 1e-12}
+
+
+def _ids(a):
+    return f"{a.name}{a.q}"
+
+
+def _inputs(seed, shape, dtype, mask_kind):
+    B, P, d, R = shape
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, P, d, generator=g, dtype=torch.float64)
+    w = torch.randn(R, d, generator=g, dtype=torch.float64) / d**0.5  # A ~ N(0, 1): both srelu regimes
+    mask = None
+    if mask_kind == "bool":
+        mask = torch.rand(B, P, generator=g) < 0.6
+    elif mask_kind == "float":
+        mask = torch.rand(B, P, generator=g, dtype=torch.float64) * 2
+    if mask is not None and mask.dtype.is_floating_point:
+        mask = mask.to(dtype)
+    return x.to(dtype), w.to(dtype), mask
+
+
+def _check(out, ref, tol, what):
+    scale = max(ref.abs().max().item(), 1e-30)
+    err = (out.double() - ref).abs().max().item() / scale
+    assert torch.isfinite(out).all(), what
+    assert err <= tol, f"{what}: relative error {err:.2e} > {tol:.0e}"
+    return err
+
+
+def _compare(backend, act, shape, dtype, mask_kind, ts, squares, seed, loss="both", chunk=None):
+    x, w, mask = _inputs(seed, shape, dtype, mask_kind)
+    x.requires_grad_(True)
+    w.requires_grad_(True)
+    kw = {} if chunk is None else {"chunk_elements": chunk}
+    out = patch_activation_sum(x, w, act, mask=mask, teacher_scale=ts, squares=squares, backend=backend, **kw)
+    assert isinstance(out, PatchSums)
+    x64 = x.detach().double().requires_grad_(True)
+    w64 = w.detach().double().requires_grad_(True)
+    m64 = mask.double() if mask is not None and mask.dtype.is_floating_point else mask
+    ref = patch_activation_sum_reference(x64, w64, act, mask=m64, teacher_scale=ts, squares=squares)
+    B, R = shape[0], shape[3]
+    tol = TOL[dtype]
+    assert out.student.shape == (B, R) and out.student.dtype == dtype
+    _check(out.student, ref.student, tol, "student")
+    assert (out.teacher is None) == (ts is None) and (out.squares is None) == (not squares)
+    if ts is not None:
+        assert not out.teacher.requires_grad and out.teacher.dtype == dtype
+        _check(out.teacher, ref.teacher, tol, "teacher")
+    if squares:
+        _check(out.squares, ref.squares, tol, "squares")
+    g = torch.Generator().manual_seed(seed + 1)
+    gs = torch.randn(B, R, generator=g, dtype=torch.float64)
+    gq = torch.randn(B, R, generator=g, dtype=torch.float64)
+    terms, rterms = [], []
+    if loss in ("both", "student") or not squares:
+        terms.append((out.student * gs.to(dtype)).sum())
+        rterms.append((ref.student * gs).sum())
+    if squares and loss in ("both", "squares"):
+        terms.append((out.squares * gq.to(dtype)).sum())
+        rterms.append((ref.squares * gq).sum())
+    gx, gw = torch.autograd.grad(sum(terms), [x, w])
+    rx, rw = torch.autograd.grad(sum(rterms), [x64, w64])
+    ex = _check(gx, rx, tol * 4, "grad x")
+    ew = _check(gw, rw, tol * 4, "grad w")
+    return ex, ew
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("act", ACTS, ids=_ids)
+@pytest.mark.parametrize("opt", range(len(OPTIONS)))
+def test_matches_float64_reference_float32(backend, act, opt):
+    mask_kind, ts, squares = OPTIONS[opt]
+    case = ACTS.index(act) * len(OPTIONS) + opt
+    shape = SHAPES[case % len(SHAPES)]
+    _compare(backend, act, shape, torch.float32, mask_kind, ts, squares, seed=1000 + case)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("act", [ACTS[0], ACTS[2], ACTS[3]], ids=_ids)
+def test_matches_float64_reference_float64(backend, act):
+    _compare(backend, act, (5, 7, 37, 19), torch.float64, "float", 1.5, True, seed=7 + ACTS.index(act))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("loss", ["student", "squares"])
+def test_gradient_of_one_output_only(backend, loss):
+    # backward with only one of the two incoming gradients defined (the other is None)
+    _compare(backend, ACTS[0], (4, 5, 19, 13), torch.float32, "bool", 1.5, True, seed=31, loss=loss)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("chunk", [1, 2 * 7 * 19 + 5])
+def test_chunked_path_matches(backend, chunk):
+    # chunk=1: one sample per chunk; the other: 2 samples per chunk with a partial last chunk (B=5)
+    _compare(backend, ACTS[0], (5, 7, 37, 19), torch.float64, "float", 1.5, True, seed=55, chunk=chunk)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gradient_wrt_one_input_and_noncontiguous(backend):
+    g = torch.Generator().manual_seed(3)
+    big = torch.randn(7, 4, 2 * 23, generator=g, dtype=torch.float64)
+    x = big.transpose(0, 1)[:, :, ::2]  # [4, 7, 23], non-contiguous
+    w = (torch.randn(9, 23, generator=g, dtype=torch.float64) / 5).requires_grad_(True)
+    act = ACTS[0]
+    out = patch_activation_sum(x, w, act, squares=True, backend=backend)
+    ref = patch_activation_sum_reference(x, w, act, squares=True)
+    _check(out.student, ref.student.detach(), 1e-12, "student")
+    (gw,) = torch.autograd.grad(out.squares.sum(), [w])
+    (rw,) = torch.autograd.grad(ref.squares.sum(), [w])
+    _check(gw, rw, 1e-12, "grad w")
+    xg = x.detach().clone().requires_grad_(True)
+    out = patch_activation_sum(xg, w.detach(), act, backend=backend)
+    (gx,) = torch.autograd.grad(out.student.sum(), [xg])
+    xr = x.detach().clone().requires_grad_(True)
+    (rx,) = torch.autograd.grad(patch_activation_sum_reference(xr, w.detach(), act).student.sum(), [xr])
+    _check(gx, rx, 1e-12, "grad x")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_poisoned_buffers_are_fully_overwritten(backend, monkeypatch):
+    def nan_output(shape, like):
+        return torch.full(shape, float("nan"), dtype=like.dtype, device=like.device)
+
+    monkeypatch.setattr(pas, "_new_output", nan_output)
+    # B, R, d not multiples of any tile size; chunked backward with a partial last chunk
+    _compare(backend, ACTS[0], (5, 3, 21, 19), torch.float32, "bool", 1.5, True, seed=77, chunk=2 * 3 * 19)
+    _compare(backend, ACTS[3], (3, 2, 17, 33), torch.float64, None, None, True, seed=78)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_mask_equals_zeroed_patches(backend):
+    # f(0) = 0, so masking a patch (SimMIM style) equals replacing it by zeros
+    x, w, mask = _inputs(5, (4, 6, 13, 7), torch.float64, "bool")
+    act = ACTS[1]
+    masked = patch_activation_sum(x, w, act, mask=mask, squares=True, backend=backend)
+    zeroed = patch_activation_sum(x * mask.unsqueeze(-1), w, act, squares=True, backend=backend)
+    torch.testing.assert_close(masked.student, zeroed.student, rtol=1e-13, atol=1e-15)
+    torch.testing.assert_close(masked.squares, zeroed.squares, rtol=1e-13, atol=1e-15)
+    unmasked = patch_activation_sum(x, w, act, backend=backend)
+    assert (unmasked.student - masked.student).abs().max() > 1e-3  # the mask did something
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_no_patch_sized_tensor_saved_for_backward(backend):
+    B, P, d, R = 5, 7, 11, 13
+    x, w, mask = _inputs(9, (B, P, d, R), torch.float32, "float")
+    x.requires_grad_(True)
+    w.requires_grad_(True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+        patch_activation_sum(x, w, ACTS[0], mask=mask, teacher_scale=1.5, squares=True, backend=backend)
+    assert saved and all(n < B * P * R for n in saved), saved  # only x, w, mask
+    saved.clear()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+        patch_activation_sum_reference(x, w, ACTS[0], mask=mask, squares=True)
+    assert sum(n >= B * P * R for n in saved) >= 3  # the check above would catch an unfused version
+
+
+def test_gradcheck_torch_fallback_float64():
+    g = torch.Generator().manual_seed(123)
+    x = torch.randn(2, 3, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    w = (torch.randn(3, 4, generator=g, dtype=torch.float64) / 2).requires_grad_(True)
+    mask = torch.rand(2, 3, generator=g, dtype=torch.float64)
+    for act in (Activation("srelu", q=3, rho=0.4), Activation("pow", q=3)):
+        def fn(x, w):
+            out = patch_activation_sum(x, w, act, mask=mask, teacher_scale=1.3, squares=True,
+                                       backend="torch", chunk_elements=3 * 3)
+            return out.student, out.squares
+
+        assert torch.autograd.gradcheck(fn, (x, w), eps=1e-6, atol=1e-7, rtol=1e-6)
+
+
+def test_auto_backend_on_cpu_is_torch(monkeypatch):
+    def boom(*args):
+        raise AssertionError("triton path used for CPU tensors with backend='auto'")
+
+    monkeypatch.setattr(pas._TritonPatchSum, "apply", boom)
+    x, w, _ = _inputs(1, (2, 3, 5, 4), torch.float64, None)
+    out = patch_activation_sum(x, w, ACTS[2], backend="auto")
+    torch.testing.assert_close(out.student, patch_activation_sum_reference(x, w, ACTS[2]).student)
+
+
+def test_triton_on_cpu_needs_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    x, w, _ = _inputs(1, (2, 3, 5, 4), torch.float32, None)
+    with pytest.raises(ConfigError, match="^backend: must be"):
+        patch_activation_sum(x, w, ACTS[0], backend="triton")
+
+
+def _bad_cases():
+    x = torch.randn(2, 3, 5)
+    w = torch.randn(4, 5)
+    act = ACTS[0]
+    yield "x", dict(x=torch.randn(6, 5), w=w), "[B, P, d]"
+    yield "x", dict(x=torch.randn(0, 3, 5), w=w), "non-empty"
+    yield "x", dict(x=x.half(), w=w.half()), "float32 or float64"
+    yield "x", dict(x=x.long(), w=w), "float32 or float64"
+    yield "w", dict(x=x, w=torch.randn(4, 6)), "d = 5"
+    yield "w", dict(x=x, w=torch.randn(4, 5, 1)), "[R, d]"
+    yield "w", dict(x=x, w=w.double()), "dtype of x"
+    yield "activation", dict(x=x, w=w, activation="srelu"), "Activation"
+    yield "mask", dict(x=x, w=w, mask=torch.ones(3, 2, dtype=torch.bool)), "[B, P] = (2, 3)"
+    yield "mask", dict(x=x, w=w, mask=torch.ones(2, 3, dtype=torch.long)), "bool or floating"
+    yield "teacher_scale", dict(x=x, w=w, teacher_scale=float("inf")), "finite"
+    yield "teacher_scale", dict(x=x, w=w, teacher_scale="1.5"), "finite"
+    yield "squares", dict(x=x, w=w, squares=1), "a bool"
+    yield "backend", dict(x=x, w=w, backend="cuda"), "one of ('auto', 'torch', 'triton')"
+    yield "chunk_elements", dict(x=x, w=w, chunk_elements=0), ">= 1"
+    del act
+
+
+@pytest.mark.parametrize("field,kwargs,fragment", list(_bad_cases()), ids=itertools.count())
+def test_bad_inputs_raise_config_error_naming_the_argument(field, kwargs, fragment):
+    kwargs = dict(kwargs)
+    kwargs.setdefault("activation", ACTS[0])
+    x, w, act = kwargs.pop("x"), kwargs.pop("w"), kwargs.pop("activation")
+    with pytest.raises(ConfigError) as info:
+        patch_activation_sum(x, w, act, **kwargs)
+    msg = str(info.value)
+    assert msg.startswith(f"{field}: must be ") and fragment in msg, msg
