@@ -1,0 +1,234 @@
+"""Sparse-coding data ``x = M z + xi`` with RandomMask views (Wen & Li 2021; spec 001 sections 1-2).
+
+* ``M`` (``d1 x d``): orthonormal dictionary. ``dictionary="random"`` (default) is the Q factor of a
+  Gaussian matrix, hence delocalised (``||M_j||_inf ~ sqrt(2 log(d1 d)/d1)``); ``"coordinate"`` uses
+  ``d`` distinct standard basis vectors (the negative control of spec 2.4: RandomMask then removes
+  all view cross-covariance and nothing is learned).
+* ``z`` in ``{-1,0,1}^d`` i.i.d.: ``Pr(z_j = +-1) = p/2`` with ``p = C_z log log d / d``.
+* ``xi ~ N(0, sigma_xi^2 I)`` with ``sigma_xi^2 = C_xi sqrt(log d)/d``.
+* labels (spec 1.6): ``y_reg = <w*, z>``, ``y_cls = sign(y_reg)`` (0 when ``<w*,z> = 0``: probes drop
+  those), ``w*_j = s_j u_j`` with random signs and ``u_j ~ U[0.5, 1.5]``.
+
+**Augmentation lives here, in** :meth:`SparseCodingDataModule.sample` (decision for issue 3): the mask
+``D`` of training sample ``i`` is drawn from its own RNG stream as a function of ``(seed, i)``, so a
+sample and its two views are identical whatever the batch size or device. Training batches contain
+
+* ``x_a = 2 D x`` (anchor, receives gradient) and ``x_q = 2 (I - D) x`` (positive key), or
+  ``x_a = x_q = x`` when ``augment="none"``; general mask probability ``q``: ``D/q`` and ``(I-D)/(1-q)``;
+* ``x_neg``: the pool of negatives, fresh population samples, **not** augmented unless
+  ``augment_negatives=True`` (then one masked view ``D' x_n / q``). ``negatives="shared"`` gives one pool
+  ``[N, d1]`` for the whole batch, made of ``r = ceil(N / batch_size)`` negatives owned by each anchor
+  index (so also a pure function of (seed, index)); ``"per_anchor"`` gives every anchor its own ``N``
+  negatives ``[B, N, d1]`` (the paper-exact estimator; memory ``B N d1``, tiny sizes only).
+
+Validation/test batches hold ``x, z, xi, y_reg, y_cls`` only (used by the probes and metrics).
+
+Example:
+    >>> dm = SparseCodingDataModule(d=16, d1=64, batch_size=8, num_negatives=8)
+    >>> b = dm.sample(torch.arange(8), "train")
+    >>> bool(torch.allclose(b["x_a"] + b["x_q"], 2 * b["x"]))
+    True
+    >>> dm.features.shape  # one atom per row
+    torch.Size([16, 64])
+"""
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+
+from featlearn.datamodules import rng
+from featlearn.datamodules.base import SyntheticDataModule
+from featlearn.errors import ConfigError
+
+# per-split quantities (RNG streams via SyntheticDataModule.stream(split, q))
+_Q_SUPPORT, _Q_SIGN, _Q_NOISE, _Q_MASK = 1, 2, 3, 4
+_Q_NEG_SUPPORT, _Q_NEG_SIGN, _Q_NEG_NOISE, _Q_NEG_MASK = 5, 6, 7, 8
+# global quantities (not per sample)
+_G_DICT, _G_COORD, _G_WSTAR_SIGN, _G_WSTAR_MAG = 11, 12, 13, 14
+
+
+class SparseCodingDataModule(SyntheticDataModule):
+    """Sparse-coding distribution with RandomMask views; see the module docstring.
+
+    Args:
+        d: number of dictionary atoms (latent features). d1: input dimension (``> d``).
+        C_z, C_xi: constants of ``p = C_z log log d / d`` and ``sigma_xi^2 = C_xi sqrt(log d)/d``.
+        p, sigma_xi: override the two formulas (``None`` = use them).
+        dictionary: ``"random"`` (delocalised orthonormal) or ``"coordinate"`` (negative control).
+        augment: ``"random_mask"`` or ``"none"``. mask_prob: ``q = Pr(D_ll = 1)`` (paper: 1/2).
+        augment_negatives: mask the negatives too (ablation; default False as in the paper).
+        num_negatives: ``N``, negatives per anchor (size of the shared pool).
+        negatives: ``"shared"`` pool or ``"per_anchor"`` (paper-exact) negatives.
+        seed, mode, batch_size, num_train, num_val, num_test, steps_per_epoch, shuffle: see
+            :class:`~featlearn.datamodules.base.SyntheticDataModule` (``batch_size`` = K anchors/step).
+    """
+
+    def __init__(
+        self,
+        d: int = 32,
+        d1: int = 256,
+        C_z: float = 1.0,
+        C_xi: float = 1.0,
+        p: float | None = None,
+        sigma_xi: float | None = None,
+        dictionary: Literal["random", "coordinate"] = "random",
+        augment: Literal["random_mask", "none"] = "random_mask",
+        mask_prob: float = 0.5,
+        augment_negatives: bool = False,
+        num_negatives: int = 256,
+        negatives: Literal["shared", "per_anchor"] = "shared",
+        seed: int = 0,
+        mode: Literal["fixed", "online"] = "online",
+        batch_size: int | None = 256,
+        num_train: int = 4096,
+        num_val: int = 8000,
+        num_test: int = 4000,
+        steps_per_epoch: int = 100,
+        shuffle: bool = True,
+    ):
+        if not isinstance(d, int) or d < 3:  # log log d must be > 0
+            raise ConfigError("data.d", "an integer >= 3", d)
+        if not isinstance(d1, int) or d1 <= d:
+            raise ConfigError("data.d1", f"an integer > d = {d}", d1)
+        if dictionary not in ("random", "coordinate"):
+            raise ConfigError("data.dictionary", "'random' or 'coordinate'", dictionary)
+        if augment not in ("random_mask", "none"):
+            raise ConfigError("data.augment", "'random_mask' or 'none'", augment)
+        if not 0.0 < mask_prob < 1.0:
+            raise ConfigError("data.mask_prob", "in (0, 1)", mask_prob)
+        if negatives not in ("shared", "per_anchor"):
+            raise ConfigError("data.negatives", "'shared' or 'per_anchor'", negatives)
+        if not isinstance(num_negatives, int) or num_negatives < 1:
+            raise ConfigError("data.num_negatives", "a positive integer", num_negatives)
+        if C_z <= 0:
+            raise ConfigError("data.C_z", "> 0", C_z)
+        if C_xi < 0:
+            raise ConfigError("data.C_xi", ">= 0", C_xi)
+        if p is None:
+            p = C_z * math.log(math.log(d)) / d
+        if not 0.0 < p <= 1.0:
+            raise ConfigError("data.p", "in (0, 1] (C_z log log d / d is outside it)", p)
+        if sigma_xi is None:
+            sigma_xi = math.sqrt(C_xi * math.sqrt(math.log(d)) / d)
+        if sigma_xi < 0:
+            raise ConfigError("data.sigma_xi", ">= 0", sigma_xi)
+        super().__init__(seed=seed, mode=mode, batch_size=batch_size, num_train=num_train, num_val=num_val,
+                         num_test=num_test, steps_per_epoch=steps_per_epoch, shuffle=shuffle)
+        self.d, self.d1 = d, d1
+        self.C_z, self.C_xi = C_z, C_xi
+        self.p, self.sigma_xi = float(p), float(sigma_xi)
+        self.dictionary, self.augment, self.mask_prob = dictionary, augment, mask_prob
+        self.augment_negatives, self.num_negatives, self.negatives = augment_negatives, num_negatives, negatives
+        per_step = batch_size if batch_size is not None else num_train
+        # negatives owned by each anchor index (shared pool = first N of the concatenation)
+        self.neg_per_sample = num_negatives if negatives == "per_anchor" else math.ceil(num_negatives / per_step)
+        self._consts: dict[str, dict[str, torch.Tensor]] = {}
+
+    # ------------------------------------------------------------------------------------------
+    # global quantities
+    # ------------------------------------------------------------------------------------------
+    def _build_consts(self) -> dict[str, torch.Tensor]:
+        if self.dictionary == "random":
+            g = rng.global_normal(self.seed, _G_DICT, (self.d1, self.d), dtype=torch.float64)
+            q, r = torch.linalg.qr(g)
+            M = q * torch.sign(torch.diagonal(r)).unsqueeze(0)  # unique QR: deterministic signs
+        else:
+            coords = rng.permutation(self.seed, _G_COORD, torch.zeros((), dtype=torch.int64), self.d1)[: self.d]
+            M = torch.zeros(self.d1, self.d, dtype=torch.float64)
+            M[coords, torch.arange(self.d)] = 1.0
+        zero = torch.zeros((), dtype=torch.int64)
+        signs = torch.where(rng.bernoulli(self.seed, _G_WSTAR_SIGN, zero, (self.d,), 0.5), 1.0, -1.0)
+        mags = 0.5 + rng.uniform(self.seed, _G_WSTAR_MAG, zero, (self.d,), torch.float64)
+        return {"M": M.float(), "w_star": (signs * mags).float()}
+
+    def _const(self, name: str, device) -> torch.Tensor:
+        key = str(torch.device(device))
+        if key not in self._consts:
+            if "cpu" not in self._consts:
+                self._consts["cpu"] = self._build_consts()
+            self._consts[key] = {k: v.to(device) for k, v in self._consts["cpu"].items()}
+        return self._consts[key][name]
+
+    @property
+    def M(self) -> torch.Tensor:
+        """The dictionary ``[d1, d]`` (orthonormal columns), on CPU."""
+        return self._const("M", "cpu")
+
+    @property
+    def w_star(self) -> torch.Tensor:
+        """Downstream regression weights ``[d]``."""
+        return self._const("w_star", "cpu")
+
+    @property
+    def features(self) -> torch.Tensor:
+        """Dictionary atoms, one per row: ``M^T`` of shape ``[d, d1]``."""
+        return self.M.t()
+
+    def dictionary_on(self, device) -> torch.Tensor:
+        return self._const("M", device)
+
+    # ------------------------------------------------------------------------------------------
+    # sampling
+    # ------------------------------------------------------------------------------------------
+    def _draw(self, index: torch.Tensor, split: str, shape: tuple[int, ...], q_support: int, q_sign: int,
+              q_noise: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        s = self.stream
+        support = rng.bernoulli(self.seed, s(split, q_support), index, shape + (self.d,), self.p)
+        sign = rng.bernoulli(self.seed, s(split, q_sign), index, shape + (self.d,), 0.5)
+        z = support.float() * torch.where(sign, 1.0, -1.0)
+        xi = self.sigma_xi * rng.normal(self.seed, s(split, q_noise), index, shape + (self.d1,))
+        x = z @ self._const("M", index.device).t() + xi
+        return x, z, xi
+
+    def _mask_views(self, x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q = self.mask_prob
+        return torch.where(mask, x / q, 0.0), torch.where(mask, 0.0, x / (1.0 - q))
+
+    def sample(self, index: torch.Tensor, split: str) -> dict[str, torch.Tensor]:
+        """Samples with these indices on ``index.device``; training adds views and negatives."""
+        x, z, xi = self._draw(index, split, (), _Q_SUPPORT, _Q_SIGN, _Q_NOISE)
+        y = z @ self._const("w_star", index.device)
+        out = {"x": x, "z": z, "xi": xi, "y_reg": y, "y_cls": torch.sign(y)}
+        if split != "train":
+            return out
+        if self.augment == "random_mask":
+            mask = rng.bernoulli(self.seed, self.stream(split, _Q_MASK), index, (self.d1,), self.mask_prob)
+            out["x_a"], out["x_q"] = self._mask_views(x, mask)
+        else:
+            out["x_a"], out["x_q"] = x, x
+        xn, _, _ = self._draw(index, split, (self.neg_per_sample,), _Q_NEG_SUPPORT, _Q_NEG_SIGN, _Q_NEG_NOISE)
+        if self.augment_negatives:
+            mneg = rng.bernoulli(self.seed, self.stream(split, _Q_NEG_MASK), index, (self.neg_per_sample, self.d1),
+                                 self.mask_prob)
+            xn = torch.where(mneg, xn / self.mask_prob, 0.0)
+        out["x_neg"] = xn  # [B, r, d1]; pooled in batch()
+        return out
+
+    def batch(self, index: torch.Tensor, split: str) -> dict[str, torch.Tensor]:
+        """As the base class, then turns the per-anchor negatives into the configured pool."""
+        out = dict(super().batch(index, split))
+        if "x_neg" in out and self.negatives == "shared":
+            out["x_neg"] = out["x_neg"].reshape(-1, self.d1)[: self.num_negatives]
+        return out
+
+    # ------------------------------------------------------------------------------------------
+    # closed forms (spec 1.2 / 2.3)
+    # ------------------------------------------------------------------------------------------
+    def covariance(self) -> torch.Tensor:
+        """``Sigma_x = p M M^T + sigma^2 I`` (float64)."""
+        M = self.M.double()
+        return self.p * M @ M.t() + self.sigma_xi ** 2 * torch.eye(self.d1, dtype=torch.float64)
+
+    def view_cross_covariance(self) -> torch.Tensor:
+        """``E[x_a x_q^T]``: ``Sigma_x - Diag(Sigma_x)`` with RandomMask, ``Sigma_x`` without (float64)."""
+        sigma = self.covariance()
+        if self.augment == "none":
+            return sigma
+        return sigma - torch.diag(torch.diagonal(sigma))
+
+    def raw_probe_nmse(self) -> float:
+        """Population nMSE of the best linear regression probe on raw x: ``sigma^2 / (p + sigma^2)``."""
+        s2 = self.sigma_xi ** 2
+        return s2 / (self.p + s2)
