@@ -1,5 +1,6 @@
 """Run configs through the featlearn CLI from Python and write result tables (shared by all experiments)."""
 import json
+import warnings
 from pathlib import Path
 
 import torch
@@ -17,13 +18,17 @@ def build(config: str, out: Path, name: str, *overrides: str) -> FeatlearnCLI:
             "--trainer.logger.init_args.name", name, "--trainer.logger.init_args.version", "",
             "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
             *overrides]
-    return FeatlearnCLI(FeatureLearningModule, SyntheticDataModule, subclass_mode_model=True,
-                        subclass_mode_data=True, seed_everything_default=0, args=args, run=False,
-                        auto_configure_optimizers=False)
+    with warnings.catch_warnings():  # LightningCLI warns when args= and sys.argv are both present
+        warnings.filterwarnings("ignore", message=".*args parameter is intended.*")
+        return FeatlearnCLI(FeatureLearningModule, SyntheticDataModule, subclass_mode_model=True,
+                            subclass_mode_data=True, seed_everything_default=0, args=args, run=False,
+                            auto_configure_optimizers=False)
 
 
 def scalars(metrics: dict) -> dict[str, float]:
-    return {k: round(float(v), 4) for k, v in metrics.items() if torch.is_tensor(v) and v.numel() == 1}
+    """Scalar entries of a metrics dict (tensors or numbers) as rounded floats."""
+    return {k: round(float(v), 4) for k, v in metrics.items()
+            if isinstance(v, (int, float)) or (torch.is_tensor(v) and v.numel() == 1)}
 
 
 def markdown_table(rows: dict[str, dict[str, object]], columns: list[str]) -> str:

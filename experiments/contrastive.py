@@ -118,7 +118,7 @@ def format_table(results: dict[str, dict]) -> str:
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default="lightning_logs/contrastive_experiment", help="output directory")
+    parser.add_argument("--out", default="runs/contrastive", help="output directory")
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (0 = leave torch's default)")

@@ -23,7 +23,7 @@ def trainer(tmp_path, max_steps, **kw):
 def test_small_pretraining_captures_every_feature(tmp_path):
     L.seed_everything(0)
     dm = small_data()
-    model = TeacherStudentMRP(m=3, sigma0=0.02, lr=10.0, stop_after_capture=30, backend="torch")
+    model = TeacherStudentMRP(m=5, sigma0=0.02, lr=10.0, stop_after_capture=30, backend="torch")
     trainer(tmp_path, 1500, enable_checkpointing=False, callbacks=[DivergenceGuard()]).fit(model, dm)
     stats = model.trainer.callback_metrics
     assert stats["pretrain/frac_captured"] == 1.0                   # Theorem 1 (a): every feature
