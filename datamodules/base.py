@@ -7,8 +7,11 @@ same seed gives the same samples whatever the batch size, worker count or device
 Two modes:
 * ``fixed``: ``num_train`` samples drawn once (the theory's full-batch setting), cached on device;
   ``batch_size=None`` means full batch: one step per epoch.
-* ``online``: fresh training samples every step; epoch ``e`` uses indices
-  ``[e * L, (e + 1) * L)`` with ``L = steps_per_epoch * batch_size``. Validation and test stay fixed.
+* ``online``: fresh training samples every step: step ``t`` on rank ``r`` of ``W`` uses indices
+  ``(t W + r) B + [0, B)``. Validation and test stay fixed.
+
+Training indices depend only on (seed, global step, rank): a resumed run continues exactly, and the
+same global batch (``batch_size`` x devices) gives the same samples on any number of devices.
 
 Subclasses implement :meth:`sample` and :attr:`features`.
 
@@ -120,13 +123,31 @@ class SyntheticDataModule(L.LightningDataModule):
             return {k: v[index] for k, v in self.full(split, index.device).items()}
         return {**out, "index": index}
 
-    def _epoch(self) -> int:
-        trainer = getattr(self, "trainer", None)
-        return trainer.current_epoch if trainer is not None else 0
+    def _world(self) -> tuple[int, int, int]:
+        """(global step, rank, world size) of the attached trainer, or of a single process without one."""
+        trainer = self.trainer
+        if trainer is None:
+            return 0, 0, 1
+        if trainer.accumulate_grad_batches != 1:
+            raise ConfigError("trainer.accumulate_grad_batches", "1 (sample streams follow the optimizer step; "
+                              "raise data.batch_size instead)", trainer.accumulate_grad_batches)
+        return trainer.global_step, trainer.global_rank, trainer.world_size
+
+    def _steps_per_data_epoch(self, world_size: int) -> int:
+        global_batch = self.batch_size * world_size
+        steps = self.sizes["train"] // global_batch
+        if steps < 1:
+            raise ConfigError("data.batch_size", f"at most num_train / devices = {self.sizes['train'] // world_size}",
+                              self.batch_size)
+        return steps
 
     def _loader(self, split: str) -> DataLoader:
-        online = split == "train" and self.mode == "online"
-        length = self.steps_per_epoch * self.batch_size if online else self.sizes[split]
+        if split == "train" and self.batch_size is not None:
+            world = self._world()[2]
+            steps = self.steps_per_epoch if self.mode == "online" else self._steps_per_data_epoch(world)
+            length = steps * self.batch_size * world
+        else:
+            length = self.sizes[split]
         return DataLoader(_Indices(length), batch_size=self.batch_size or length, shuffle=False,
                           collate_fn=partial(_collate, split=split), num_workers=0)
 
@@ -150,12 +171,24 @@ class SyntheticDataModule(L.LightningDataModule):
             index = self._train_index(index)
         return self.batch(index, split)
 
-    def _train_index(self, index: torch.Tensor) -> torch.Tensor:
-        epoch = self._epoch()
+    def _train_index(self, local: torch.Tensor) -> torch.Tensor:
+        """Sample indices of this rank's training batch, a function of (global step, rank) only.
+
+        Lightning's epoch and batch counters are ignored on purpose: a run resumed from any
+        checkpoint, or run on another number of devices with the same global batch, sees exactly
+        the same samples at every step.
+        """
+        step, rank, world = self._world()
+        n_local, device = len(local), local.device
         if self.mode == "online":
-            return index + epoch * self.steps_per_epoch * self.batch_size
+            return (step * world + rank) * n_local + torch.arange(n_local, device=device)
         n = self.sizes["train"]
-        if self.shuffle and self.batch_size is not None and self.batch_size < n:
-            order = rng.permutation(self.seed, 999, torch.tensor([epoch], device=index.device), n)[0]
-            return order[index]
-        return index
+        if self.batch_size is None:
+            return torch.arange(rank, n, world, device=device)
+        epoch, position = divmod(step, self._steps_per_data_epoch(world))
+        if self.shuffle:
+            order = rng.permutation(self.seed, 999, torch.tensor([epoch], device=device), n)[0]
+        else:
+            order = torch.arange(n, device=device)
+        start = (position * world + rank) * self.batch_size
+        return order[start:start + self.batch_size]

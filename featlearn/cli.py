@@ -32,8 +32,14 @@ class FeatlearnCLI(LightningCLI):
     def instantiate_classes(self) -> None:
         try:
             super().instantiate_classes()
-        except ConfigError as err:
-            self.parser.error(str(err))
+        except ValueError as err:  # jsonargparse wraps a ConfigError raised by a class in its own ValueError
+            self.parser.error(_config_message(err))
+
+
+def _config_message(err: ValueError) -> str:
+    """The ConfigError lines (``field: must be ...``) of a possibly wrapped error, else the whole text."""
+    lines = [line.strip(" -") for line in str(err).splitlines() if ": must be " in line]
+    return "\n".join(dict.fromkeys(lines)) or str(err)
 
 
 def main(args=None) -> None:

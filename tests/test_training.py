@@ -87,5 +87,5 @@ def test_cli_print_config_shows_defaults(capsys):
     with pytest.raises(SystemExit):
         main(["fit", "--config", CONFIG, "--print_config"])
     printed = capsys.readouterr().out
-    for needle in ("norm_cap: 1.0", "c_tau: 0.0", "sigma_p: 0.005", "every_n_steps: 50", "DivergenceGuard" if False else "divergence"):
+    for needle in ("norm_cap: 1.0", "c_tau: 0.0", "sigma_p: 0.005", "every_n_steps: 50", "save_last: true", "TensorBoardLogger"):
         assert needle in printed
