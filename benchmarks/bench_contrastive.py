@@ -19,37 +19,18 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
 from featlearn.kernels.soft_threshold import soft_threshold_layer, soft_threshold_reference
 from featlearn.lightning_modules.contrastive import infonce_naive, infonce_stopgrad
+from timing import median_seconds  # benchmarks/timing.py (scripts run from benchmarks/)
 
 SIZES = {  # d1, m, K, N
     "tiny": (256, 128, 256, 256),
     "small": (512, 256, 512, 512),
     "medium": (2048, 1024, 1024, 4096),
 }
-
-
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def timeit(fn, device, warmup=3, reps=10) -> float:
-    for _ in range(warmup):
-        fn()
-    _sync(device)
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def bench(size: str, device: torch.device, reps: int, chunk: int | None) -> list[tuple[str, str, float | None, str]]:
@@ -86,15 +67,15 @@ def bench(size: str, device: torch.device, reps: int, chunk: int | None) -> list
          lambda a, q, n, t: infonce_stopgrad(a, q, n, t, chunk_size=chunk)[0], f"streamed (chunk={chunk or N})"),
     ]
     for name, wrap, eager_fn, fused_fn, fused_label in ops:
-        t_eager = timeit(wrap(eager_fn), device, reps=reps)
+        t_eager = median_seconds(wrap(eager_fn), device, repeats=reps)
         rows.append((name, "eager", t_eager, ""))
         try:
             compiled = torch.compile(eager_fn, dynamic=False)
-            t_comp = timeit(wrap(compiled), device, reps=reps)
+            t_comp = median_seconds(wrap(compiled), device, repeats=reps)
             rows.append((name, "torch.compile", t_comp, ""))
         except Exception as err:  # noqa: BLE001 - report and go on (e.g. no C++ compiler on CPU)
             rows.append((name, "torch.compile", None, f"failed: {type(err).__name__}"))
-        rows.append((name, fused_label, timeit(wrap(fused_fn), device, reps=reps), ""))
+        rows.append((name, fused_label, median_seconds(wrap(fused_fn), device, repeats=reps), ""))
     return rows
 
 

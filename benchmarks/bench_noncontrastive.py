@@ -20,37 +20,18 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
 from featlearn.kernels.bn_cosine_loss import bn_cosine_loss, bn_cosine_loss_reference
 from featlearn.lightning_modules.noncontrastive import encode
+from timing import median_seconds  # benchmarks/timing.py (scripts run from benchmarks/)
 
 SIZES = {  # N, P, d, widths for the loss, width for the encoder
     "tiny": (256, 8, 32, (2, 16), 16),
     "small": (1024, 16, 256, (2, 64), 16),
     "medium": (4096, 32, 1024, (2, 64), 64),
 }
-
-
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def timeit(fn, device, warmup=3, reps=10) -> float:
-    for _ in range(warmup):
-        fn()
-    _sync(device)
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def _encoder_eager(x, w, m1):
@@ -77,7 +58,7 @@ def bench(size: str, device: torch.device, reps: int, dtype: torch.dtype):
         base = None
         for name, fn in fns:
             try:
-                t = timeit(fn, device, reps=reps)
+                t = median_seconds(fn, device, repeats=reps)
                 note = ""
             except Exception as err:  # compile may be unavailable on some stacks
                 t, note = None, f"failed: {type(err).__name__}"

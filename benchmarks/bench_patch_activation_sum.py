@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import argparse
 import platform
-import time
 from pathlib import Path
 
 import torch
 
 from featlearn.kernels import Activation, patch_activation_sum
 from featlearn.kernels.backend import interpreting
+from timing import median_seconds  # benchmarks/timing.py (scripts run from benchmarks/)
 
 CONFIGS = {
     "tiny": dict(B=1000, P=16, d=256, R=30),
@@ -55,25 +55,6 @@ def fused(backend):
     return run
 
 
-def sync(device):
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-def time_it(fn, device, repeats, warmup):
-    for _ in range(warmup):
-        fn()
-    sync(device)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        times.append((time.perf_counter() - t0) * 1e3)
-    times.sort()
-    return times[len(times) // 2]  # median
-
-
 def measure(name, method, x, w, mask, gs, gq, device, repeats, warmup):
     def fwd():
         return method(x, w, mask)
@@ -93,8 +74,8 @@ def measure(name, method, x, w, mask, gs, gq, device, repeats, warmup):
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
-        row["fwd"] = time_it(lambda: fwd(), device, repeats, warmup)
-        row["fwd_bwd"] = time_it(fwd_bwd, device, repeats, warmup)
+        row["fwd"] = 1e3 * median_seconds(fwd, device, warmup, repeats)
+        row["fwd_bwd"] = 1e3 * median_seconds(fwd_bwd, device, warmup, repeats)
         if cuda:
             row["peak_mib"] = (torch.cuda.max_memory_allocated() - base) / 2**20
     except torch.cuda.OutOfMemoryError:

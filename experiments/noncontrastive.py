@@ -104,7 +104,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
             ("final_abs_corr_f1f2_mean", "abs Corr(f1,f2) (mean)", "{:.3f}"),
             ("median_T1", "median T1", "{}"), ("median_T2", "median T2", "{}"),
             ("median_T3", "median T3", "{}"), ("median_T4", "median T4", "{}")]
-    lines = [f"# Non-contrastive learning: with vs without prediction head (spec 004 demo-A, population GD)",
+    lines = ["# Non-contrastive learning: with vs without prediction head (spec 004 demo-A, population GD)",
              "", ", ".join(f"{k}={v}" for k, v in meta.items()), "",
              "| " + " | ".join(c[1] for c in cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:

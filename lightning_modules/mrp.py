@@ -23,7 +23,6 @@ Example:
 """
 from typing import Literal
 
-import lightning as L
 import torch
 
 from featlearn.datamodules import rng

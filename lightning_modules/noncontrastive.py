@@ -40,10 +40,7 @@ from featlearn.kernels.activations import Activation
 from featlearn.kernels.bn_cosine_loss import bn_column_stats, bn_cosine_loss
 from featlearn.lightning_modules.base import FeatureLearningModule
 
-try:
-    from featlearn.kernels.patch_activation_sum import patch_activation_sum
-except ImportError:  # pragma: no cover - the shared kernel is part of the project
-    patch_activation_sum = None
+from featlearn.kernels.patch_activation_sum import patch_activation_sum
 
 CUBIC = Activation("pow", q=3)
 HEADS = ("offdiag", "none", "full")
@@ -63,10 +60,7 @@ def encode(x: torch.Tensor, w: torch.Tensor, mask: torch.Tensor | None = None,
         >>> encode(torch.ones(1, 2, 3), torch.ones(1, 3)).tolist()
         [[54.0]]
     """
-    if patch_activation_sum is not None:
-        return patch_activation_sum(x, w, CUBIC, mask=mask, backend=backend).student
-    a = torch.einsum("bpd,rd->bpr", x, w) ** 3
-    return (a if mask is None else a * mask.to(a.dtype)[..., None]).sum(1)
+    return patch_activation_sum(x, w, CUBIC, mask=mask, backend=backend).student
 
 
 def noncontrastive_loss(f_online: torch.Tensor, g_target: torch.Tensor, head: torch.Tensor,
