@@ -1,49 +1,41 @@
 """Experiment E1 of spec 001: contrastive learning with vs without RandomMask, plus the negative control.
 
-Trains three settings at the tiny default config (d=32, d1=256, m=128, K=N=256, eta=2, 1000 steps,
-tau=log d, lambda=d^-1.75) with a Lightning Trainer, then prints and saves a table (JSON + Markdown
-beside the TensorBoard logs): final sparse-energy fraction (and its peak), singleton neurons,
-features covered by singletons, regression probe nMSE on f(x) vs on raw x (fit on the val split,
-scored on the test split), classification accuracy likewise, cos(f(x), f(Mz)), cos(f(x), f(xi)),
-T1, T2 and the normalized final loss.
+Every setting is a config ``configs/contrastive/<setting>.yaml`` (tiny default config: d=32, d1=256,
+m=128, K=N=256, eta=2, 1000 steps, tau=log d, lambda=d^-1.75), built through the featlearn CLI
+(:func:`featlearn.experiments.common.build`) with only the output location, the number of steps and
+the seed overridden. After training, prints and saves a table (``results.json`` / ``results.md``
+beside the TensorBoard logs): final sparse-energy fraction (and its peak), singleton neurons, features
+covered by singletons, regression probe nMSE on f(x) vs on raw x (fit on the val split, scored on the
+test split), classification accuracy likewise, cos(f(x), f(Mz)), cos(f(x), f(xi)), T1, T2 and the
+normalized final loss.
 
-Settings:
+Default settings:
 * ``random_mask``: RandomMask views, paper bias schedule (Thm 3.4).
 * ``no_augmentation``: positive = the sample itself, bias 0 (Thm 3.2).
 * ``coordinate_control``: RandomMask with a coordinate-aligned dictionary (spec 2.4, negative control).
 
-Usage:
-    python -m featlearn.experiments.contrastive [--out DIR] [--steps 1000] [--threads 1] [--settings a,b]
+Ablations (not in the default table): ``learned_bias`` / ``learned_bias_no_aug`` (bias learned by SGD
+with / without augmentation, footnote 4) and ``paper_lambda`` (lambda = d^-1.25 inside the paper's
+range, which the spec says stalls stage III at small d).
 
-Runs on CPU in about 3-4 minutes (1 torch thread per run; more threads slow down on a busy 2-core box).
+Usage:
+    python -m featlearn.experiments.contrastive [--out DIR] [--steps 1000] [--seed 0] [--threads 1] [--settings a,b]
+
+Runs on CPU in a few minutes (1 torch thread per run; more threads slow down on a busy 2-core box).
 """
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import time
 from pathlib import Path
 
-import lightning as L
 import torch
-from lightning.pytorch.loggers import TensorBoardLogger
 
-from featlearn.callbacks import DivergenceGuard, HeatmapLogger
-from featlearn.datamodules.sparse_coding import SparseCodingDataModule
-from featlearn.lightning_modules.contrastive import ContrastiveModule
+from featlearn.experiments.common import CONFIGS, build, markdown_table, write_results
 
-SETTINGS = {
-    "random_mask": (dict(augment="random_mask", dictionary="random"), dict(bias_mode="schedule")),
-    "no_augmentation": (dict(augment="none", dictionary="random"), dict(bias_mode="zero")),
-    "coordinate_control": (dict(augment="random_mask", dictionary="coordinate"), dict(bias_mode="schedule")),
-    # ablations (not in the default table): learned bias with/without augmentation (footnote 4) and
-    # lambda inside the paper's range (d^-1.25 at d=32), which the spec says stalls stage III at small d
-    "learned_bias": (dict(augment="random_mask", dictionary="random"), dict(bias_mode="learned")),
-    "learned_bias_no_aug": (dict(augment="none", dictionary="random"), dict(bias_mode="learned")),
-    "paper_lambda": (dict(augment="random_mask", dictionary="random"), dict(weight_decay=32 ** -1.25)),  # d=32
-}
+SETTINGS = sorted(p.stem for p in (CONFIGS / "contrastive").glob("*.yaml"))
 DEFAULT_SETTINGS = ("random_mask", "no_augmentation", "coordinate_control")
 
 COLUMNS = [
@@ -67,28 +59,20 @@ COLUMNS = [
 ]
 
 
-def run_setting(name: str, out: Path, steps: int = 1000, seed: int = 0, d: int = 32, d1: int = 256,
-                lr: float = 2.0, batch_size: int = 256, num_negatives: int = 256) -> dict:
-    """Train one setting with a Lightning Trainer and return its summary metrics."""
-    data_kw, model_kw = SETTINGS[name]
-    dm = SparseCodingDataModule(d=d, d1=d1, batch_size=batch_size, num_negatives=num_negatives, seed=seed,
-                                mode="online", steps_per_epoch=100, num_val=8000, num_test=4000, **data_kw)
-    model = ContrastiveModule(lr=lr, seed=seed, **model_kw)
-    L.seed_everything(seed, verbose=False)
-    trainer = L.Trainer(
-        max_steps=steps, max_epochs=-1, accelerator="auto", devices=1,
-        logger=TensorBoardLogger(str(out), name=name), callbacks=[DivergenceGuard(), HeatmapLogger(every_n_steps=250)],
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        limit_val_batches=0, num_sanity_val_steps=0, log_every_n_steps=25,
-    )
+def run_setting(name: str, out: Path, steps: int = 1000, seed: int = 0) -> dict:
+    """Train ``configs/contrastive/<name>.yaml`` (logs in ``out/name``) and return its summary metrics."""
     t0 = time.time()
+    cli = build(f"contrastive/{name}.yaml", out, name, "--trainer.max_steps", str(steps),
+                "--seed_everything", str(seed), "--data.init_args.seed", str(seed),
+                "--model.init_args.seed", str(seed))
+    trainer, model, dm = cli.trainer, cli.model, cli.datamodule
     trainer.fit(model, datamodule=dm)
     summary = model.summary()
     # final normalized contrastive loss on a fresh batch (mean over 4 batches)
     with torch.no_grad():
         vals = []
         for k in range(4):
-            idx = torch.arange(batch_size, device=model.device) + (10 ** 9 + k * batch_size)
+            idx = torch.arange(dm.batch_size, device=model.device) + (10 ** 9 + k * dm.batch_size)
             loss, st = model.contrastive_loss(dm.batch(idx, "train"))
             vals.append(float(loss) / st["uniform"])
     summary["loss_normalized"] = sum(vals) / len(vals)
@@ -96,7 +80,9 @@ def run_setting(name: str, out: Path, steps: int = 1000, seed: int = 0, d: int =
     summary["singletons_str"] = f"{int(summary['features/singletons'])}/{int(summary['m'])}"
     summary["raw_nmse_population"] = dm.raw_probe_nmse()
     summary["lambda"] = float(model.lam)
-    summary["d/d1"] = d / d1
+    summary["d/d1"] = dm.d / dm.d1
+    summary["config"] = {"d": dm.d, "d1": dm.d1, "m": model.m, "K": dm.batch_size, "N": dm.num_negatives,
+                         "eta": model.hp.lr, "num_val": dm.sizes["val"], "num_test": dm.sizes["test"]}
     if trainer.logger is not None:
         trainer.logger.log_metrics({f"final/{k}": v for k, v in summary.items() if isinstance(v, float)},
                                    step=trainer.global_step)
@@ -104,16 +90,12 @@ def run_setting(name: str, out: Path, steps: int = 1000, seed: int = 0, d: int =
 
 
 def format_table(results: dict[str, dict]) -> str:
-    head = "| setting | " + " | ".join(c for c, _, _ in COLUMNS) + " |"
-    sep = "|---" * (len(COLUMNS) + 1) + "|"
-    rows = []
-    for name, r in results.items():
-        cells = []
-        for _, key, fmt in COLUMNS:
-            v = r.get(key, float("nan"))
-            cells.append("-" if isinstance(v, float) and math.isnan(v) else fmt.format(v))
-        rows.append(f"| {name} | " + " | ".join(cells) + " |")
-    return "\n".join([head, sep, *rows])
+    def cell(value, fmt):
+        return "-" if isinstance(value, float) and math.isnan(value) else fmt.format(value)
+
+    rows = {name: {col: cell(r.get(key, float("nan")), fmt) for col, key, fmt in COLUMNS}
+            for name, r in results.items()}
+    return markdown_table(rows, [col for col, _, _ in COLUMNS])
 
 
 def main(argv=None) -> dict:
@@ -123,12 +105,12 @@ def main(argv=None) -> dict:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (0 = leave torch's default)")
     parser.add_argument("--settings", default=",".join(DEFAULT_SETTINGS),
-                        help=f"comma-separated subset of {sorted(SETTINGS)}")
+                        help=f"comma-separated subset of {SETTINGS} (configs/contrastive/*.yaml)")
     args = parser.parse_args(argv)
     names = [s for s in args.settings.split(",") if s]
     unknown = [s for s in names if s not in SETTINGS]
     if unknown:
-        parser.error(f"--settings: must be among {sorted(SETTINGS)}, got {unknown}")
+        parser.error(f"--settings: must be among {SETTINGS}, got {unknown}")
     if args.steps < 1:
         parser.error(f"--steps: must be a positive integer, got {args.steps}")
     if args.threads > 0:
@@ -138,18 +120,18 @@ def main(argv=None) -> dict:
     t0 = time.time()
     results = {name: run_setting(name, out, steps=args.steps, seed=args.seed) for name in names}
     total = time.time() - t0
-    table = format_table(results)
     any_r = next(iter(results.values()))
-    notes = (f"d=32, d1=256, m=128, K=N=256, eta=2, tau=log d, lambda=d^-1.75 unless the row says otherwise, {args.steps} steps, seed {args.seed}. "
-             f"Population nMSE of the best linear probe on raw x: sigma^2/(p+sigma^2) = "
-             f"{any_r['raw_nmse_population']:.3f}; d/d1 = {any_r['d/d1']:.3f}. Probes: fit on 8000 val samples, "
-             f"scored on 4000 test samples. Total wall time {total:.0f} s.")
-    print(table)
-    print(notes)
-    (out / "results.json").write_text(json.dumps({"results": results, "total_wall_s": total, "notes": notes},
-                                                 indent=2, default=float))
-    (out / "results.md").write_text(f"# Contrastive learning: RandomMask vs no augmentation\n\n{table}\n\n{notes}\n")
-    print(f"saved {out / 'results.json'} and {out / 'results.md'}")
+    c = any_r["config"]
+    sizes = f"K=N={c['K']}" if c["K"] == c["N"] else f"K={c['K']}, N={c['N']}"
+    notes = (f"d={c['d']}, d1={c['d1']}, m={c['m']}, {sizes}, eta={c['eta']:g}, tau=log d, "
+             f"lambda=d^-1.75 unless the row says otherwise, {args.steps} steps, seed {args.seed} "
+             f"(configs/contrastive/<setting>.yaml). Population nMSE of the best linear probe on raw x: "
+             f"sigma^2/(p+sigma^2) = {any_r['raw_nmse_population']:.3f}; d/d1 = {any_r['d/d1']:.3f}. "
+             f"Probes: fit on {c['num_val']} val samples, scored on {c['num_test']} test samples. "
+             f"Total wall time {total:.0f} s.")
+    table = format_table(results)
+    write_results(out, "results", {"results": results, "total_wall_s": total, "notes": notes},
+                  f"# Contrastive learning: RandomMask vs no augmentation\n\n{table}\n\n{notes}")
     return results
 
 

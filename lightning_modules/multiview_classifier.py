@@ -18,6 +18,7 @@ Example:
     >>> model(dm.full("train")["x"]).shape
     torch.Size([16, 4])
 """
+from pathlib import Path
 from typing import Literal
 
 import torch
@@ -62,6 +63,8 @@ class MultiViewClassifier(MultiViewEncoder):
     def build(self, dm) -> None:
         super().build(dm)
         if self.pretrained is not None:
+            if not Path(self.pretrained).is_file():
+                raise ConfigError("model.pretrained", "an existing pretraining checkpoint file", self.pretrained)
             state = torch.load(self.pretrained, map_location="cpu", weights_only=True)["state_dict"]
             if state["weight"].shape != self.weight.shape:
                 raise ConfigError("model.pretrained", f"a checkpoint with kernels of shape {tuple(self.weight.shape)}",

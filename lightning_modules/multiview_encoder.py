@@ -14,7 +14,7 @@ method (teacher-student, MAE, fine-tuning, supervised baseline) derives from
 * ``winner_in_M0_frac``: share of captured features won by a kernel of their initial lottery set
   ``M0_f = {r : <w_r(0), v_f> >= Lambda_f(0) (1 - 1/ln k)}``;
 * ``first_capture_step``: buffer with the first step each feature was captured (-1: not yet),
-  logged as ``first_capture/{max,mean}`` and a histogram.
+  logged as ``first_capture/{max,mean}`` and, at the end of fit, the histogram ``first_capture_step``.
 """
 import math
 
@@ -117,3 +117,10 @@ class MultiViewEncoder(FeatureLearningModule):
         self.log_dict({f"{prefix}/{k}": v for k, v in stats.items()})
         self.log("captured", stats["frac_captured"], prog_bar=True, logger=False)
         return stats
+
+    def on_fit_end(self) -> None:
+        """Histogram of the per-feature first-capture steps (TensorBoard ``first_capture_step``)."""
+        steps = self.first_capture_step[self.first_capture_step >= 0]
+        experiment = getattr(self.logger, "experiment", None)
+        if len(steps) and hasattr(experiment, "add_histogram"):
+            experiment.add_histogram("first_capture_step", steps, self.global_step)
