@@ -116,12 +116,16 @@ class SyntheticDataModule(L.LightningDataModule):
         return self._cache[key]
 
     def batch(self, index: torch.Tensor, split: str) -> dict[str, torch.Tensor]:
-        """Samples for these indices: fixed splits are read from the device cache, online ones drawn."""
+        """Samples for these indices: fixed splits are read from the device cache, online ones drawn.
+
+        A batch holding a whole fixed split (indices in order) is the cache itself, not a copy.
+        """
         if split == "train" and self.mode == "online":
-            out = self.sample(index, split)
-        else:
-            return {k: v[index] for k, v in self.full(split, index.device).items()}
-        return {**out, "index": index}
+            return {**self.sample(index, split), "index": index}
+        data = self.full(split, index.device)
+        if len(index) == self.sizes[split]:
+            return dict(data)
+        return {k: v[index] for k, v in data.items()}
 
     def _world(self) -> tuple[int, int, int]:
         """(global step, rank, world size) of the attached trainer, or of a single process without one."""
@@ -186,7 +190,7 @@ class SyntheticDataModule(L.LightningDataModule):
         if self.batch_size is None:
             return torch.arange(rank, n, world, device=device)
         epoch, position = divmod(step, self._steps_per_data_epoch(world))
-        if self.shuffle:
+        if self.shuffle and self.batch_size < n:
             order = rng.permutation(self.seed, 999, torch.tensor([epoch], device=device), n)[0]
         else:
             order = torch.arange(n, device=device)

@@ -17,13 +17,7 @@ from featlearn.datamodules.sparse_coding import SparseCodingDataModule
 from featlearn.lightning_modules.contrastive import ContrastiveModule
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # 2-thread BLAS on a busy 2-core machine is far slower than one thread for these small GEMMs
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _train(steps, d, d1, batch, lr, augment="random_mask", dictionary="random", bias_mode="schedule", seed=0):

@@ -15,13 +15,7 @@ from featlearn.lightning_modules.noncontrastive import (NonContrastiveModule, Ph
                                                         population_loss, simulate_population)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: one thread is fastest and keeps the suite predictable on a 2-core machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _small_dm(**kw):
