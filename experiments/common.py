@@ -1,5 +1,6 @@
 """Run configs through the featlearn CLI from Python and write result tables (shared by all experiments)."""
 import json
+import logging
 import warnings
 from pathlib import Path
 
@@ -10,6 +11,15 @@ from featlearn.datamodules.base import SyntheticDataModule
 from featlearn.lightning_modules.base import FeatureLearningModule
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+def quiet_lightning() -> None:
+    """Hide Lightning's start-up banners and the warnings that are expected in these experiments."""
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    logging.getLogger("lightning.fabric").setLevel(logging.WARNING)
+    for message in (".*smaller than the logging interval.*", ".*LeafSpec.*", ".*no `validation_step`.*",
+                    ".*`weights_only` was not set.*", ".*does not have many workers.*"):
+        warnings.filterwarnings("ignore", message=message)
 
 
 def build(config: str, out: Path, name: str, *overrides: str) -> FeatlearnCLI:

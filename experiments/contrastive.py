@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from featlearn.experiments.common import CONFIGS, build, markdown_table, write_results
+from featlearn.experiments.common import CONFIGS, build, markdown_table, quiet_lightning, write_results
 
 SETTINGS = sorted(p.stem for p in (CONFIGS / "contrastive").glob("*.yaml"))
 DEFAULT_SETTINGS = ("random_mask", "no_augmentation", "coordinate_control")
@@ -107,6 +107,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--settings", default=",".join(DEFAULT_SETTINGS),
                         help=f"comma-separated subset of {SETTINGS} (configs/contrastive/*.yaml)")
     args = parser.parse_args(argv)
+    quiet_lightning()
     names = [s for s in args.settings.split(",") if s]
     unknown = [s for s in names if s not in SETTINGS]
     if unknown:

@@ -13,7 +13,7 @@ import statistics
 import time
 from pathlib import Path
 
-from featlearn.experiments.common import build, markdown_table, scalars, write_results
+from featlearn.experiments.common import build, markdown_table, quiet_lightning, scalars, write_results
 
 COLUMNS = ["features captured", "all captured by step", "classes with both features", "pure / same-class / cross-class kernels",
            "test acc multi-view", "test acc single-view", "test acc all", "steps", "seconds"]
@@ -82,6 +82,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, nargs="+", default=[0],
                         help="one seed (default 0), or several: then per-seed runs and a table of means")
     args = parser.parse_args()
+    quiet_lightning()
     if len(args.seed) == 1:
         run(args.out, args.seed[0])
     else:

@@ -1,4 +1,6 @@
 """Runs through Lightning: small-config capture, exact resume, divergence stop, the CLI's config errors."""
+from pathlib import Path
+
 import lightning as L
 import pytest
 import torch
@@ -89,3 +91,12 @@ def test_cli_print_config_shows_defaults(capsys):
     printed = capsys.readouterr().out
     for needle in ("norm_cap: 1.0", "c_tau: 0.0", "sigma_p: 0.005", "every_n_steps: 50", "save_last: true", "TensorBoardLogger"):
         assert needle in printed
+
+
+@pytest.mark.parametrize("config", sorted(str(p) for p in Path("configs").rglob("*.yaml")
+                                          if not p.name.startswith("data_")))
+def test_every_config_parses(config, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", config, "--print_config"])
+    assert exit_info.value.code in (0, None)
+    assert "class_path: featlearn.lightning_modules." in capsys.readouterr().out
