@@ -20,11 +20,12 @@ _MASK32 = 0xFFFFFFFF
 
 
 def _mix(x: torch.Tensor) -> torch.Tensor:
-    """Bijective avalanche mix of 32-bit values held in int64."""
-    x = x & _MASK32
-    x = ((x ^ (x >> 16)) * 0x7FEB352D) & _MASK32
-    x = ((x ^ (x >> 15)) * 0x846CA68B) & _MASK32
-    return x ^ (x >> 16)
+    """Bijective avalanche mix of 32-bit values held in int64, IN PLACE (callers pass temporaries):
+    generation is memory-bound, and in-place ops halve the traffic."""
+    x.bitwise_and_(_MASK32)
+    x.bitwise_xor_(x >> 16).mul_(0x7FEB352D).bitwise_and_(_MASK32)
+    x.bitwise_xor_(x >> 15).mul_(0x846CA68B).bitwise_and_(_MASK32)
+    return x.bitwise_xor_(x >> 16)
 
 
 def _key(seed: int, stream: int, index: torch.Tensor) -> torch.Tensor:
@@ -38,20 +39,19 @@ def _bits(seed: int, stream: int, index: torch.Tensor, shape: tuple[int, ...]) -
     n = math.prod(shape)
     key = _key(seed, stream, index).unsqueeze(-1)
     counter = torch.arange(n, device=index.device, dtype=torch.int64)
-    return _mix(_mix(key ^ counter) + key).reshape(*index.shape, *shape)
+    return _mix(_mix(key ^ counter).add_(key)).reshape(*index.shape, *shape)
 
 
 def uniform(seed: int, stream: int, index: torch.Tensor, shape=(), dtype=torch.float32) -> torch.Tensor:
     """Uniform [0, 1) numbers of shape ``[*index.shape, *shape]`` with 24 random bits each."""
-    return (_bits(seed, stream, index, tuple(shape)) >> 8).to(dtype) * (1.0 / (1 << 24))
+    return (_bits(seed, stream, index, tuple(shape)) >> 8).to(dtype).mul_(1.0 / (1 << 24))
 
 
 def normal(seed: int, stream: int, index: torch.Tensor, shape=(), dtype=torch.float32) -> torch.Tensor:
     """Standard normal numbers (Box-Muller on two uniform streams)."""
-    u1 = uniform(seed, 2 * stream, index, shape, torch.float64)
-    u2 = uniform(seed, 2 * stream + 1, index, shape, torch.float64)
-    radius = torch.sqrt(-2.0 * torch.log1p(-u1))  # 1 - u1 lies in (0, 1]: no log(0)
-    return (radius * torch.cos(2.0 * math.pi * u2)).to(dtype)
+    radius = uniform(seed, 2 * stream, index, shape, torch.float64).neg_().log1p_().mul_(-2.0).sqrt_()
+    angle = uniform(seed, 2 * stream + 1, index, shape, torch.float64).mul_(2.0 * math.pi).cos_()
+    return radius.mul_(angle).to(dtype)  # log1p(-u) with u < 1: no log(0)
 
 
 def bernoulli(seed: int, stream: int, index: torch.Tensor, shape, p: float) -> torch.Tensor:
