@@ -62,13 +62,8 @@ import torch.distributed as dist
 from featlearn.errors import ConfigError
 from featlearn.kernels.backend import check_backend, interpreting, resolve_backend
 
-try:  # triton is a hard dependency of the project, but keep the fallback importable without it
-    import triton
-    import triton.language as tl
-
-    _HAS_TRITON = True
-except ImportError:  # pragma: no cover
-    _HAS_TRITON = False
+import triton
+import triton.language as tl
 
 __all__ = [
     "bn_cosine_loss",
@@ -173,153 +168,152 @@ def _l2_partial_torch(p, z, eps):
 # ----------------------------------------------------------------------------------------------
 # Triton kernels
 # ----------------------------------------------------------------------------------------------
-if _HAS_TRITON:
 
-    @triton.jit
-    def _bn_stats_kernel(p_ptr, z_ptr, part_ptr, N, M, NPROG,
-                         BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, TILES: tl.constexpr,
-                         F64: tl.constexpr):
-        """Phase A: program (i, j) reduces rows [i*TILES*BLOCK_N, ...) of columns block j to
-        (mean_F, mean_G, M2_F, M2_G, C), merging its tiles with Chan's update (no cancellation)."""
-        pid_n = tl.program_id(0)
-        pid_m = tl.program_id(1)
-        acc_t = tl.float64 if F64 else tl.float32
-        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        cmask = rm < M
-        n_a = tl.zeros((BLOCK_M,), dtype=acc_t)
-        mf_a = tl.zeros((BLOCK_M,), dtype=acc_t)
-        mg_a = tl.zeros((BLOCK_M,), dtype=acc_t)
-        m2f_a = tl.zeros((BLOCK_M,), dtype=acc_t)
-        m2g_a = tl.zeros((BLOCK_M,), dtype=acc_t)
-        c_a = tl.zeros((BLOCK_M,), dtype=acc_t)
-        for t in range(TILES):
-            rn = (pid_n * TILES + t) * BLOCK_N + tl.arange(0, BLOCK_N)
-            rmask = rn < N
-            mask = rmask[:, None] & cmask[None, :]
-            offs = rn[:, None] * M + rm[None, :]
-            f = tl.load(p_ptr + offs, mask=mask, other=0.0).to(acc_t)
-            g = tl.load(z_ptr + offs, mask=mask, other=0.0).to(acc_t)
-            n_b = tl.sum(rmask.to(acc_t), axis=0)
-            n_b_safe = tl.maximum(n_b, 1.0)
-            mf_b = tl.sum(f, axis=0) / n_b_safe
-            mg_b = tl.sum(g, axis=0) / n_b_safe
-            xf = tl.where(mask, f - mf_b[None, :], 0.0)
-            xg = tl.where(mask, g - mg_b[None, :], 0.0)
-            m2f_b = tl.sum(xf * xf, axis=0)
-            m2g_b = tl.sum(xg * xg, axis=0)
-            c_b = tl.sum(xf * xg, axis=0)
-            n = n_a + n_b
-            n_safe = tl.maximum(n, 1.0)
-            df = mf_b - mf_a
-            dg = mg_b - mg_a
-            w = n_a * n_b / n_safe
-            mf_a = mf_a + df * (n_b / n_safe)
-            mg_a = mg_a + dg * (n_b / n_safe)
-            m2f_a = m2f_a + m2f_b + df * df * w
-            m2g_a = m2g_a + m2g_b + dg * dg * w
-            c_a = c_a + c_b + df * dg * w
-            n_a = n
-        stride = NPROG * M
-        base = part_ptr + pid_n * M + rm
-        tl.store(base, mf_a, mask=cmask)
-        tl.store(base + stride, mg_a, mask=cmask)
-        tl.store(base + 2 * stride, m2f_a, mask=cmask)
-        tl.store(base + 3 * stride, m2g_a, mask=cmask)
-        tl.store(base + 4 * stride, c_a, mask=cmask)
-
-    @triton.jit
-    def _bn_grad_kernel(p_ptr, z_ptr, coef_ptr, dp_ptr, dz_ptr, N, M,
-                        BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, NEED_DZ: tl.constexpr,
-                        F64: tl.constexpr):
-        """Phase B: dF = A (F - mu_F) - B (G - mu_G); dG = A' (G - mu_G) - B (F - mu_F).
-        ``coef`` rows: mu_F, mu_G, A, B, A' (per column, grad_output folded in)."""
-        pid_n = tl.program_id(0)
-        pid_m = tl.program_id(1)
-        acc_t = tl.float64 if F64 else tl.float32
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        cmask = rm < M
-        mask = (rn < N)[:, None] & cmask[None, :]
+@triton.jit
+def _bn_stats_kernel(p_ptr, z_ptr, part_ptr, N, M, NPROG,
+                     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, TILES: tl.constexpr,
+                     F64: tl.constexpr):
+    """Phase A: program (i, j) reduces rows [i*TILES*BLOCK_N, ...) of columns block j to
+    (mean_F, mean_G, M2_F, M2_G, C), merging its tiles with Chan's update (no cancellation)."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    acc_t = tl.float64 if F64 else tl.float32
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cmask = rm < M
+    n_a = tl.zeros((BLOCK_M,), dtype=acc_t)
+    mf_a = tl.zeros((BLOCK_M,), dtype=acc_t)
+    mg_a = tl.zeros((BLOCK_M,), dtype=acc_t)
+    m2f_a = tl.zeros((BLOCK_M,), dtype=acc_t)
+    m2g_a = tl.zeros((BLOCK_M,), dtype=acc_t)
+    c_a = tl.zeros((BLOCK_M,), dtype=acc_t)
+    for t in range(TILES):
+        rn = (pid_n * TILES + t) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rmask = rn < N
+        mask = rmask[:, None] & cmask[None, :]
         offs = rn[:, None] * M + rm[None, :]
         f = tl.load(p_ptr + offs, mask=mask, other=0.0).to(acc_t)
         g = tl.load(z_ptr + offs, mask=mask, other=0.0).to(acc_t)
-        mu_f = tl.load(coef_ptr + rm, mask=cmask, other=0.0).to(acc_t)
-        mu_g = tl.load(coef_ptr + M + rm, mask=cmask, other=0.0).to(acc_t)
-        ca = tl.load(coef_ptr + 2 * M + rm, mask=cmask, other=0.0).to(acc_t)
-        cb = tl.load(coef_ptr + 3 * M + rm, mask=cmask, other=0.0).to(acc_t)
-        xf = f - mu_f[None, :]
-        xg = g - mu_g[None, :]
-        dp = ca[None, :] * xf - cb[None, :] * xg
+        n_b = tl.sum(rmask.to(acc_t), axis=0)
+        n_b_safe = tl.maximum(n_b, 1.0)
+        mf_b = tl.sum(f, axis=0) / n_b_safe
+        mg_b = tl.sum(g, axis=0) / n_b_safe
+        xf = tl.where(mask, f - mf_b[None, :], 0.0)
+        xg = tl.where(mask, g - mg_b[None, :], 0.0)
+        m2f_b = tl.sum(xf * xf, axis=0)
+        m2g_b = tl.sum(xg * xg, axis=0)
+        c_b = tl.sum(xf * xg, axis=0)
+        n = n_a + n_b
+        n_safe = tl.maximum(n, 1.0)
+        df = mf_b - mf_a
+        dg = mg_b - mg_a
+        w = n_a * n_b / n_safe
+        mf_a = mf_a + df * (n_b / n_safe)
+        mg_a = mg_a + dg * (n_b / n_safe)
+        m2f_a = m2f_a + m2f_b + df * df * w
+        m2g_a = m2g_a + m2g_b + dg * dg * w
+        c_a = c_a + c_b + df * dg * w
+        n_a = n
+    stride = NPROG * M
+    base = part_ptr + pid_n * M + rm
+    tl.store(base, mf_a, mask=cmask)
+    tl.store(base + stride, mg_a, mask=cmask)
+    tl.store(base + 2 * stride, m2f_a, mask=cmask)
+    tl.store(base + 3 * stride, m2g_a, mask=cmask)
+    tl.store(base + 4 * stride, c_a, mask=cmask)
+
+@triton.jit
+def _bn_grad_kernel(p_ptr, z_ptr, coef_ptr, dp_ptr, dz_ptr, N, M,
+                    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, NEED_DZ: tl.constexpr,
+                    F64: tl.constexpr):
+    """Phase B: dF = A (F - mu_F) - B (G - mu_G); dG = A' (G - mu_G) - B (F - mu_F).
+    ``coef`` rows: mu_F, mu_G, A, B, A' (per column, grad_output folded in)."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    acc_t = tl.float64 if F64 else tl.float32
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cmask = rm < M
+    mask = (rn < N)[:, None] & cmask[None, :]
+    offs = rn[:, None] * M + rm[None, :]
+    f = tl.load(p_ptr + offs, mask=mask, other=0.0).to(acc_t)
+    g = tl.load(z_ptr + offs, mask=mask, other=0.0).to(acc_t)
+    mu_f = tl.load(coef_ptr + rm, mask=cmask, other=0.0).to(acc_t)
+    mu_g = tl.load(coef_ptr + M + rm, mask=cmask, other=0.0).to(acc_t)
+    ca = tl.load(coef_ptr + 2 * M + rm, mask=cmask, other=0.0).to(acc_t)
+    cb = tl.load(coef_ptr + 3 * M + rm, mask=cmask, other=0.0).to(acc_t)
+    xf = f - mu_f[None, :]
+    xg = g - mu_g[None, :]
+    dp = ca[None, :] * xf - cb[None, :] * xg
+    tl.store(dp_ptr + offs, dp.to(dp_ptr.dtype.element_ty), mask=mask)
+    if NEED_DZ:
+        cz = tl.load(coef_ptr + 4 * M + rm, mask=cmask, other=0.0).to(acc_t)
+        dz = cz[None, :] * xg - cb[None, :] * xf
+        tl.store(dz_ptr + offs, dz.to(dz_ptr.dtype.element_ty), mask=mask)
+
+@triton.jit
+def _l2_row_sums(p_ptr, z_ptr, rn, rmask, M, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+                 F64: tl.constexpr):
+    acc_t = tl.float64 if F64 else tl.float32
+    a = tl.zeros((BLOCK_N,), dtype=acc_t)
+    b = tl.zeros((BLOCK_N,), dtype=acc_t)
+    c = tl.zeros((BLOCK_N,), dtype=acc_t)
+    for m0 in range(0, M, BLOCK_M):
+        rm = m0 + tl.arange(0, BLOCK_M)
+        mask = rmask[:, None] & (rm < M)[None, :]
+        offs = rn[:, None] * M + rm[None, :]
+        f = tl.load(p_ptr + offs, mask=mask, other=0.0).to(acc_t)
+        g = tl.load(z_ptr + offs, mask=mask, other=0.0).to(acc_t)
+        a += tl.sum(f * f, axis=1)
+        b += tl.sum(g * g, axis=1)
+        c += tl.sum(f * g, axis=1)
+    return a, b, c
+
+@triton.jit
+def _l2_fwd_kernel(p_ptr, z_ptr, part_ptr, sc_ptr, N, M,
+                   BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, F64: tl.constexpr):
+    """Per-row l2 variant, forward: program i writes sum over its rows of ||F^ - G^||^2.
+    ``sc = (eps, scale)`` is read from memory so fp64 runs keep fp64 scalars."""
+    pid = tl.program_id(0)
+    eps = tl.load(sc_ptr)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rn < N
+    a, b, c = _l2_row_sums(p_ptr, z_ptr, rn, rmask, M, BLOCK_N, BLOCK_M, F64)
+    a = tl.where(rmask, a, 1.0)  # padding rows: keep the arithmetic finite
+    b = tl.where(rmask, b, 1.0)
+    loss = a / (a + eps) + b / (b + eps) - 2.0 * c / tl.sqrt((a + eps) * (b + eps))
+    tl.store(part_ptr + pid, tl.sum(tl.where(rmask, loss, 0.0), axis=0))
+
+@triton.jit
+def _l2_grad_kernel(p_ptr, z_ptr, dp_ptr, dz_ptr, sc_ptr, N, M,
+                    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, NEED_DZ: tl.constexpr,
+                    F64: tl.constexpr):
+    """Per-row l2 variant, backward (row norms recomputed): dF = s (aF F - bF G)."""
+    pid = tl.program_id(0)
+    acc_t = tl.float64 if F64 else tl.float32
+    eps = tl.load(sc_ptr)
+    scale = tl.load(sc_ptr + 1)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rn < N
+    a, b, c = _l2_row_sums(p_ptr, z_ptr, rn, rmask, M, BLOCK_N, BLOCK_M, F64)
+    a = tl.where(rmask, a, 1.0)
+    b = tl.where(rmask, b, 1.0)
+    na = tl.sqrt(a + eps)
+    nb = tl.sqrt(b + eps)
+    cross = 2.0 / (na * nb)
+    af = scale * (2.0 * eps / ((a + eps) * (a + eps)) + cross * c / (a + eps))
+    ag = scale * (2.0 * eps / ((b + eps) * (b + eps)) + cross * c / (b + eps))
+    bb = scale * cross
+    for m0 in range(0, M, BLOCK_M):
+        rm = m0 + tl.arange(0, BLOCK_M)
+        mask = rmask[:, None] & (rm < M)[None, :]
+        offs = rn[:, None] * M + rm[None, :]
+        f = tl.load(p_ptr + offs, mask=mask, other=0.0).to(acc_t)
+        g = tl.load(z_ptr + offs, mask=mask, other=0.0).to(acc_t)
+        dp = af[:, None] * f - bb[:, None] * g
         tl.store(dp_ptr + offs, dp.to(dp_ptr.dtype.element_ty), mask=mask)
         if NEED_DZ:
-            cz = tl.load(coef_ptr + 4 * M + rm, mask=cmask, other=0.0).to(acc_t)
-            dz = cz[None, :] * xg - cb[None, :] * xf
+            dz = ag[:, None] * g - bb[:, None] * f
             tl.store(dz_ptr + offs, dz.to(dz_ptr.dtype.element_ty), mask=mask)
-
-    @triton.jit
-    def _l2_row_sums(p_ptr, z_ptr, rn, rmask, M, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-                     F64: tl.constexpr):
-        acc_t = tl.float64 if F64 else tl.float32
-        a = tl.zeros((BLOCK_N,), dtype=acc_t)
-        b = tl.zeros((BLOCK_N,), dtype=acc_t)
-        c = tl.zeros((BLOCK_N,), dtype=acc_t)
-        for m0 in range(0, M, BLOCK_M):
-            rm = m0 + tl.arange(0, BLOCK_M)
-            mask = rmask[:, None] & (rm < M)[None, :]
-            offs = rn[:, None] * M + rm[None, :]
-            f = tl.load(p_ptr + offs, mask=mask, other=0.0).to(acc_t)
-            g = tl.load(z_ptr + offs, mask=mask, other=0.0).to(acc_t)
-            a += tl.sum(f * f, axis=1)
-            b += tl.sum(g * g, axis=1)
-            c += tl.sum(f * g, axis=1)
-        return a, b, c
-
-    @triton.jit
-    def _l2_fwd_kernel(p_ptr, z_ptr, part_ptr, sc_ptr, N, M,
-                       BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, F64: tl.constexpr):
-        """Per-row l2 variant, forward: program i writes sum over its rows of ||F^ - G^||^2.
-        ``sc = (eps, scale)`` is read from memory so fp64 runs keep fp64 scalars."""
-        pid = tl.program_id(0)
-        eps = tl.load(sc_ptr)
-        rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        rmask = rn < N
-        a, b, c = _l2_row_sums(p_ptr, z_ptr, rn, rmask, M, BLOCK_N, BLOCK_M, F64)
-        a = tl.where(rmask, a, 1.0)  # padding rows: keep the arithmetic finite
-        b = tl.where(rmask, b, 1.0)
-        loss = a / (a + eps) + b / (b + eps) - 2.0 * c / tl.sqrt((a + eps) * (b + eps))
-        tl.store(part_ptr + pid, tl.sum(tl.where(rmask, loss, 0.0), axis=0))
-
-    @triton.jit
-    def _l2_grad_kernel(p_ptr, z_ptr, dp_ptr, dz_ptr, sc_ptr, N, M,
-                        BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, NEED_DZ: tl.constexpr,
-                        F64: tl.constexpr):
-        """Per-row l2 variant, backward (row norms recomputed): dF = s (aF F - bF G)."""
-        pid = tl.program_id(0)
-        acc_t = tl.float64 if F64 else tl.float32
-        eps = tl.load(sc_ptr)
-        scale = tl.load(sc_ptr + 1)
-        rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        rmask = rn < N
-        a, b, c = _l2_row_sums(p_ptr, z_ptr, rn, rmask, M, BLOCK_N, BLOCK_M, F64)
-        a = tl.where(rmask, a, 1.0)
-        b = tl.where(rmask, b, 1.0)
-        na = tl.sqrt(a + eps)
-        nb = tl.sqrt(b + eps)
-        cross = 2.0 / (na * nb)
-        af = scale * (2.0 * eps / ((a + eps) * (a + eps)) + cross * c / (a + eps))
-        ag = scale * (2.0 * eps / ((b + eps) * (b + eps)) + cross * c / (b + eps))
-        bb = scale * cross
-        for m0 in range(0, M, BLOCK_M):
-            rm = m0 + tl.arange(0, BLOCK_M)
-            mask = rmask[:, None] & (rm < M)[None, :]
-            offs = rn[:, None] * M + rm[None, :]
-            f = tl.load(p_ptr + offs, mask=mask, other=0.0).to(acc_t)
-            g = tl.load(z_ptr + offs, mask=mask, other=0.0).to(acc_t)
-            dp = af[:, None] * f - bb[:, None] * g
-            tl.store(dp_ptr + offs, dp.to(dp_ptr.dtype.element_ty), mask=mask)
-            if NEED_DZ:
-                dz = ag[:, None] * g - bb[:, None] * f
-                tl.store(dz_ptr + offs, dz.to(dz_ptr.dtype.element_ty), mask=mask)
 
 
 def _blocks(m: int) -> tuple[int, int, int]:

@@ -32,13 +32,8 @@ import torch
 from featlearn.errors import ConfigError
 from featlearn.kernels.backend import check_backend, resolve_backend
 
-try:  # triton is a hard dependency of the project, but keep the fallback importable without it
-    import triton
-    import triton.language as tl
-
-    _HAS_TRITON = True
-except ImportError:  # pragma: no cover
-    _HAS_TRITON = False
+import triton
+import triton.language as tl
 
 __all__ = [
     "soft_threshold_layer",
@@ -102,90 +97,89 @@ class SoftThresholdTorch(torch.autograd.Function):
 # ----------------------------------------------------------------------------------------------
 # Triton kernels
 # ----------------------------------------------------------------------------------------------
-if _HAS_TRITON:
 
-    @triton.jit
-    def _st_fwd_kernel(x_ptr, w_ptr, b_ptr, h_ptr, code_ptr, B, M, D,
-                       BLOCK_B: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                       PRECISION: tl.constexpr):
-        # u[B, M] = x[B, D] @ w[M, D]^T with the soft-threshold epilogue
-        pid_b = tl.program_id(0)
-        pid_m = tl.program_id(1)
-        rb = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)
-        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        rk = tl.arange(0, BLOCK_K)
-        acc = tl.zeros((BLOCK_B, BLOCK_M), dtype=tl.float32)
-        for k0 in range(0, D, BLOCK_K):
-            kk = k0 + rk
-            xt = tl.load(x_ptr + rb[:, None] * D + kk[None, :],
-                         mask=(rb[:, None] < B) & (kk[None, :] < D), other=0.0)
-            wt = tl.load(w_ptr + rm[None, :] * D + kk[:, None],
-                         mask=(rm[None, :] < M) & (kk[:, None] < D), other=0.0)
-            acc = tl.dot(xt.to(tl.float32), wt.to(tl.float32), acc, input_precision=PRECISION)
-        b = tl.load(b_ptr + rm, mask=rm < M, other=0.0).to(tl.float32)
-        bb = b[None, :]
-        h = tl.maximum(acc - bb, 0.0) - tl.maximum(-acc - bb, 0.0)
-        code = (acc > bb).to(tl.uint8) + 2 * (acc < -bb).to(tl.uint8)
-        omask = (rb[:, None] < B) & (rm[None, :] < M)
-        offs = rb[:, None] * M + rm[None, :]
-        tl.store(h_ptr + offs, h.to(h_ptr.dtype.element_ty), mask=omask)
-        tl.store(code_ptr + offs, code, mask=omask)
+@triton.jit
+def _st_fwd_kernel(x_ptr, w_ptr, b_ptr, h_ptr, code_ptr, B, M, D,
+                   BLOCK_B: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                   PRECISION: tl.constexpr):
+    # u[B, M] = x[B, D] @ w[M, D]^T with the soft-threshold epilogue
+    pid_b = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    rb = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_B, BLOCK_M), dtype=tl.float32)
+    for k0 in range(0, D, BLOCK_K):
+        kk = k0 + rk
+        xt = tl.load(x_ptr + rb[:, None] * D + kk[None, :],
+                     mask=(rb[:, None] < B) & (kk[None, :] < D), other=0.0)
+        wt = tl.load(w_ptr + rm[None, :] * D + kk[:, None],
+                     mask=(rm[None, :] < M) & (kk[:, None] < D), other=0.0)
+        acc = tl.dot(xt.to(tl.float32), wt.to(tl.float32), acc, input_precision=PRECISION)
+    b = tl.load(b_ptr + rm, mask=rm < M, other=0.0).to(tl.float32)
+    bb = b[None, :]
+    h = tl.maximum(acc - bb, 0.0) - tl.maximum(-acc - bb, 0.0)
+    code = (acc > bb).to(tl.uint8) + 2 * (acc < -bb).to(tl.uint8)
+    omask = (rb[:, None] < B) & (rm[None, :] < M)
+    offs = rb[:, None] * M + rm[None, :]
+    tl.store(h_ptr + offs, h.to(h_ptr.dtype.element_ty), mask=omask)
+    tl.store(code_ptr + offs, code, mask=omask)
 
-    @triton.jit
-    def _st_bwd_x_kernel(g_ptr, code_ptr, w_ptr, gx_ptr, B, M, D,
-                         BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
-                         PRECISION: tl.constexpr):
-        # grad_x[B, D] = (g * slope)[B, M] @ w[M, D]; slope rebuilt from the code in the prologue
-        pid_b = tl.program_id(0)
-        pid_d = tl.program_id(1)
-        rb = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)
-        rd = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-        rk = tl.arange(0, BLOCK_K)
-        acc = tl.zeros((BLOCK_B, BLOCK_D), dtype=tl.float32)
-        for k0 in range(0, M, BLOCK_K):
-            kk = k0 + rk
-            gmask = (rb[:, None] < B) & (kk[None, :] < M)
-            g = tl.load(g_ptr + rb[:, None] * M + kk[None, :], mask=gmask, other=0.0).to(tl.float32)
-            c = tl.load(code_ptr + rb[:, None] * M + kk[None, :], mask=gmask, other=0)
-            slope = ((c & 1) + (c >> 1)).to(tl.float32)
-            wt = tl.load(w_ptr + kk[:, None] * D + rd[None, :],
-                         mask=(kk[:, None] < M) & (rd[None, :] < D), other=0.0)
-            acc = tl.dot(g * slope, wt.to(tl.float32), acc, input_precision=PRECISION)
-        omask = (rb[:, None] < B) & (rd[None, :] < D)
-        tl.store(gx_ptr + rb[:, None] * D + rd[None, :], acc.to(gx_ptr.dtype.element_ty), mask=omask)
+@triton.jit
+def _st_bwd_x_kernel(g_ptr, code_ptr, w_ptr, gx_ptr, B, M, D,
+                     BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
+                     PRECISION: tl.constexpr):
+    # grad_x[B, D] = (g * slope)[B, M] @ w[M, D]; slope rebuilt from the code in the prologue
+    pid_b = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    rb = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)
+    rd = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_B, BLOCK_D), dtype=tl.float32)
+    for k0 in range(0, M, BLOCK_K):
+        kk = k0 + rk
+        gmask = (rb[:, None] < B) & (kk[None, :] < M)
+        g = tl.load(g_ptr + rb[:, None] * M + kk[None, :], mask=gmask, other=0.0).to(tl.float32)
+        c = tl.load(code_ptr + rb[:, None] * M + kk[None, :], mask=gmask, other=0)
+        slope = ((c & 1) + (c >> 1)).to(tl.float32)
+        wt = tl.load(w_ptr + kk[:, None] * D + rd[None, :],
+                     mask=(kk[:, None] < M) & (rd[None, :] < D), other=0.0)
+        acc = tl.dot(g * slope, wt.to(tl.float32), acc, input_precision=PRECISION)
+    omask = (rb[:, None] < B) & (rd[None, :] < D)
+    tl.store(gx_ptr + rb[:, None] * D + rd[None, :], acc.to(gx_ptr.dtype.element_ty), mask=omask)
 
-    @triton.jit
-    def _st_bwd_w_kernel(g_ptr, code_ptr, x_ptr, gw_ptr, gb_ptr, B, M, D,
-                         BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
-                         NEED_W: tl.constexpr, NEED_B: tl.constexpr, PRECISION: tl.constexpr):
-        # grad_w[M, D] = (g * slope)^T[M, B] @ x[B, D]; grad_b[M] = sum_B g * dbias (first D tile only)
-        pid_m = tl.program_id(0)
-        pid_d = tl.program_id(1)
-        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        rd = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-        rk = tl.arange(0, BLOCK_K)
-        acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-        gb = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        for k0 in range(0, B, BLOCK_K):
-            kk = k0 + rk
-            gmask = (rm[:, None] < M) & (kk[None, :] < B)
-            # transposed loads: tile [BLOCK_M, BLOCK_K] of g^T
-            g = tl.load(g_ptr + kk[None, :] * M + rm[:, None], mask=gmask, other=0.0).to(tl.float32)
-            c = tl.load(code_ptr + kk[None, :] * M + rm[:, None], mask=gmask, other=0)
-            pos = (c & 1).to(tl.float32)
-            neg = (c >> 1).to(tl.float32)
-            if NEED_W:
-                xt = tl.load(x_ptr + kk[:, None] * D + rd[None, :],
-                             mask=(kk[:, None] < B) & (rd[None, :] < D), other=0.0)
-                acc = tl.dot(g * (pos + neg), xt.to(tl.float32), acc, input_precision=PRECISION)
-            if NEED_B:  # cheap; only the pid_d == 0 programs store it
-                gb += tl.sum(g * (neg - pos), axis=1)
+@triton.jit
+def _st_bwd_w_kernel(g_ptr, code_ptr, x_ptr, gw_ptr, gb_ptr, B, M, D,
+                     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
+                     NEED_W: tl.constexpr, NEED_B: tl.constexpr, PRECISION: tl.constexpr):
+    # grad_w[M, D] = (g * slope)^T[M, B] @ x[B, D]; grad_b[M] = sum_B g * dbias (first D tile only)
+    pid_m = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rd = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    gb = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for k0 in range(0, B, BLOCK_K):
+        kk = k0 + rk
+        gmask = (rm[:, None] < M) & (kk[None, :] < B)
+        # transposed loads: tile [BLOCK_M, BLOCK_K] of g^T
+        g = tl.load(g_ptr + kk[None, :] * M + rm[:, None], mask=gmask, other=0.0).to(tl.float32)
+        c = tl.load(code_ptr + kk[None, :] * M + rm[:, None], mask=gmask, other=0)
+        pos = (c & 1).to(tl.float32)
+        neg = (c >> 1).to(tl.float32)
         if NEED_W:
-            omask = (rm[:, None] < M) & (rd[None, :] < D)
-            tl.store(gw_ptr + rm[:, None] * D + rd[None, :], acc.to(gw_ptr.dtype.element_ty), mask=omask)
-        if NEED_B:
-            limit = M * (pid_d == 0).to(tl.int32)  # only the first column tile writes grad_b
-            tl.store(gb_ptr + rm, gb.to(gb_ptr.dtype.element_ty), mask=rm < limit)
+            xt = tl.load(x_ptr + kk[:, None] * D + rd[None, :],
+                         mask=(kk[:, None] < B) & (rd[None, :] < D), other=0.0)
+            acc = tl.dot(g * (pos + neg), xt.to(tl.float32), acc, input_precision=PRECISION)
+        if NEED_B:  # cheap; only the pid_d == 0 programs store it
+            gb += tl.sum(g * (neg - pos), axis=1)
+    if NEED_W:
+        omask = (rm[:, None] < M) & (rd[None, :] < D)
+        tl.store(gw_ptr + rm[:, None] * D + rd[None, :], acc.to(gw_ptr.dtype.element_ty), mask=omask)
+    if NEED_B:
+        limit = M * (pid_d == 0).to(tl.int32)  # only the first column tile writes grad_b
+        tl.store(gb_ptr + rm, gb.to(gb_ptr.dtype.element_ty), mask=rm < limit)
 
 
 def _empty(shape, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
