@@ -26,9 +26,10 @@ class DivergenceGuard(L.Callback):
         for name, value in trainer.callback_metrics.items():
             if torch.is_tensor(value) and value.numel() == 1 and not math.isfinite(value.item()):
                 self._stop(trainer, f"metric '{name}'", value)
-        for name, param in pl_module.named_parameters():
-            if not torch.isfinite(param).all():
-                self._stop(trainer, f"parameter '{name}'", param)
+        params = dict(pl_module.named_parameters())
+        if params and not bool(torch.stack([torch.isfinite(p).all() for p in params.values()]).all()):
+            name = next(n for n, p in params.items() if not torch.isfinite(p).all())
+            self._stop(trainer, f"parameter '{name}'", params[name])
 
     @staticmethod
     def _stop(trainer, quantity: str, value: torch.Tensor) -> None:

@@ -188,6 +188,8 @@ class SyntheticDataModule(L.LightningDataModule):
             return (step * world + rank) * n_local + torch.arange(n_local, device=device)
         n = self.sizes["train"]
         if self.batch_size is None:
+            if n % world:  # unequal shares would make DDP's average differ from the full-batch mean
+                raise ConfigError("data.num_train", f"a multiple of the device count {world} in full-batch mode", n)
             return torch.arange(rank, n, world, device=device)
         epoch, position = divmod(step, self._steps_per_data_epoch(world))
         if self.shuffle and self.batch_size < n:

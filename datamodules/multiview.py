@@ -146,7 +146,10 @@ class MultiViewDataModule(SyntheticDataModule):
         on_feature = z.sum(-1) > 0                                                      # [B, P]
         coeff = z + self.gamma * draw(_ALPHA, rng.uniform, (P, F))
         noise_std = torch.where(on_feature, self.sigma_p, self.gamma * k / self.d ** 0.5)
-        x = draw(_NOISE, rng.normal, (P, self.d)) * noise_std[..., None]
-        x = x + coeff @ self.features.to(dev)
+        x = draw(_NOISE, rng.normal, (P, self.d)).mul_(noise_std[..., None])
+        if self.basis == "identity":
+            x[..., :F] += coeff
+        else:
+            x += coeff @ self.features.to(dev)
         return {"x": x, "y": y, "single_view": single, "main_view": main,
                 "dropped": (present & ~kept).sum(1)}

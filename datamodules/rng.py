@@ -66,7 +66,8 @@ def randint(seed: int, stream: int, index: torch.Tensor, shape, high: int) -> to
 
 def permutation(seed: int, stream: int, index: torch.Tensor, n: int) -> torch.Tensor:
     """One uniformly random permutation of ``range(n)`` per index: shape ``[*index.shape, n]``."""
-    return torch.argsort(uniform(seed, stream, index, (n,), torch.float64), dim=-1)
+    # stable: equal keys (rare) are ordered by position, the same on every device
+    return torch.argsort(uniform(seed, stream, index, (n,), torch.float64), dim=-1, stable=True)
 
 
 def global_normal(seed: int, stream: int, shape, device=None, dtype=torch.float32) -> torch.Tensor:

@@ -57,7 +57,6 @@ class _MaskedPretraining(MultiViewEncoder):
             raise ConfigError("model.stop_after_capture", ">= 0 or null", stop_after_capture)
         self.theta, self.loss_kind, self.norm_cap = theta, loss, norm_cap
         self.stop_after_capture, self.mask_seed = stop_after_capture, mask_seed
-        self._all_captured_at: int | None = None
 
     def sample_mask(self, index: torch.Tensor, P: int) -> torch.Tensor:
         """Keep-mask ``[B, P]``, a function of (mask_seed, step, sample index)."""
@@ -73,12 +72,11 @@ class _MaskedPretraining(MultiViewEncoder):
             with torch.no_grad():
                 norms = self.weight.norm(dim=1, keepdim=True)
                 self.weight.mul_((self.norm_cap / norms).clamp(max=1.0))
-        stats = self.log_capture("pretrain")
-        if stats["frac_captured"] >= 1 and self._all_captured_at is None:
-            self._all_captured_at = self.global_step
-        if (self.stop_after_capture is not None and self._all_captured_at is not None
-                and self.global_step - self._all_captured_at >= self.stop_after_capture):
-            self.trainer.should_stop = True
+        self.log_capture("pretrain")
+        if self.stop_after_capture is not None and bool((self.first_capture_step >= 0).all()):
+            # derived from the checkpointed buffer, so a resumed run stops at the same step
+            if self.global_step - int(self.first_capture_step.max()) >= self.stop_after_capture:
+                self.trainer.should_stop = True
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
@@ -115,6 +113,10 @@ class TeacherStudentMRP(_MaskedPretraining):
         t = self.global_step
         return 1 + (1 - self.theta) / (self.dm.C_p * self.theta) + self.c_tau / (t ** (1 / self.q) + 1)
 
+    def training_step(self, batch, batch_idx):
+        self.log("pretrain/tau", self.tau())
+        return super().training_step(batch, batch_idx)
+
     def loss(self, batch) -> torch.Tensor:
         x, tau = batch["x"], self.tau()
         if self.loss_kind == "expected":
@@ -122,10 +124,6 @@ class TeacherStudentMRP(_MaskedPretraining):
             return teacher_student_expected_loss(sums.student, sums.teacher, sums.squares, self.theta)
         sums = self.encode(x, teacher_scale=tau, mask=self.sample_mask(batch["index"], x.shape[1]))
         return teacher_student_masked_loss(sums.student, sums.teacher, self.theta)
-
-    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
-        self.log("pretrain/tau", self.tau())
-        super().on_train_batch_end(outputs, batch, batch_idx)
 
 
 def mae_expected_loss(x: torch.Tensor, w: torch.Tensor, act, theta: float) -> torch.Tensor:
@@ -136,7 +134,7 @@ def mae_expected_loss(x: torch.Tensor, w: torch.Tensor, act, theta: float) -> to
 
 def mae_masked_loss(x: torch.Tensor, w: torch.Tensor, act, theta: float, mask: torch.Tensor) -> torch.Tensor:
     """Tied-weight MAE loss for one mask: patch ``p`` decoded from ``eps_p x_p`` only, scaled by ``1/theta``."""
-    g = act((x * mask[..., None]) @ w.T) @ w / theta
+    g = (act(x @ w.T) * mask[..., None]) @ w / theta  # f(<w, eps x>) = eps f(<w, x>) for eps in {0, 1}
     return 0.5 * ((x - g) ** 2).sum((1, 2)).mean()
 
 

@@ -80,9 +80,11 @@ class MultiViewEncoder(FeatureLearningModule):
             raise ConfigError("model.sigma0", "> 0", sigma0)
         if lr <= 0:
             raise ConfigError("model.lr", "> 0", lr)
-        self.activation = Activation("srelu", q=q, rho=rho)
-        if q < 2:  # Activation allows any q >= 2 for srelu; kept explicit for the error's field name
+        if not (isinstance(q, int) and q >= 2):
             raise ConfigError("model.q", "an integer >= 2", q)
+        if rho <= 0:
+            raise ConfigError("model.rho", "> 0", rho)
+        self.activation = Activation("srelu", q=q, rho=rho)
         self.m, self.q, self.rho, self.sigma0, self.lr = m, q, rho, sigma0, lr
         self.capture_threshold = rho if capture_threshold is None else capture_threshold
         self.backend = check_backend(backend, "model.backend")
@@ -103,8 +105,7 @@ class MultiViewEncoder(FeatureLearningModule):
 
     def log_capture(self, prefix: str) -> dict[str, torch.Tensor]:
         """Update first-capture steps and log the theory metrics under ``prefix/``."""
-        V = self.dm.features.to(self.weight)
-        C, C0 = self.weight.detach() @ V.T, self.initial_weight @ V.T
+        C, C0 = self.correlations(), self.initial_weight @ self.dm.features.to(self.weight).T
         stats = capture_stats(C, C0, self.dm.feature_class(), self.capture_threshold,
                               1.0 - 1.0 / math.log(max(self.k, 3)))
         lam = C.clamp_min(0).max(0).values

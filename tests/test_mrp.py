@@ -95,10 +95,24 @@ def test_module_loss_uses_kernel_and_closed_form():
     assert model.tau() == pytest.approx(1 + 0.5 / (dm.C_p * 0.5))
 
 
+def test_sampled_mask_loss_masks_the_student_only():
+    dm = MultiViewDataModule(k=4, d=16, P=10, s=1, num_pretrain=12)
+    model = TeacherStudentMRP(m=2, sigma0=0.3, loss="mc", backend="torch").attach(dm)
+    batch = dm.full("train")
+    mask = model.sample_mask(batch["index"], dm.P)
+    assert 0 < mask.mean() < 1
+    x, w = batch["x"].double(), model.weight.detach().double()
+    masked_student, teacher, _ = ts_parts(x, w, model.tau(), mask.double())
+    torch.testing.assert_close(model.loss(batch).double(), teacher_student_masked_loss(masked_student, teacher, 0.5),
+                               rtol=1e-5, atol=1e-7)
+
+
 @pytest.mark.parametrize("cls,kwargs,field", [
     (TeacherStudentMRP, dict(theta=1.0), "model.theta"),
     (TeacherStudentMRP, dict(theta=0.0), "model.theta"),
     (TeacherStudentMRP, dict(q=2), "model.q"),
+    (MultiViewClassifier, dict(q=1), "model.q"),
+    (TeacherStudentMRP, dict(rho=0.0), "model.rho"),
     (MaskedAutoencoderMRP, dict(q=3), "model.q"),
     (TeacherStudentMRP, dict(loss="sampled"), "model.loss"),
     (TeacherStudentMRP, dict(backend="cuda"), "model.backend"),

@@ -84,6 +84,22 @@ def test_samples_are_functions_of_seed_and_index(dm):
     assert not torch.allclose(dm.sample(index, "test")["x"], picked["x"])
 
 
+def test_features_that_do_not_fit_are_dropped_and_counted():
+    dm = MultiViewDataModule(k=8, d=16, P=6, C_p=1, s=1.0, num_pretrain=4000, sigma_p=0.001, gamma=0.0005)
+    b = dm.full("train")
+    on = (coefficients(dm, b) > 0.03).any(1)                    # [B, 2k] features placed on patches
+    own = torch.nn.functional.one_hot(b["y"], dm.k).repeat_interleave(2, 1).bool()
+    assert on[own].all()                                         # own features are never dropped
+    kept = on.sum(1)
+    assert (kept <= dm.P).all()
+    dropped = b["dropped"]
+    assert (dropped > 0).any() and (kept[dropped > 0] == dm.P).all()   # drop only when every patch is used
+    # dropped + kept off-class features ~ Bin(2 (k - 1), s / k)
+    total_off = (kept - 2 + dropped).double()
+    trials, p = 2 * (dm.k - 1), dm.s / dm.k
+    assert abs(total_off.mean() - trials * p) < 4 * (trials * p * (1 - p) / len(total_off)) ** 0.5
+
+
 @pytest.mark.parametrize("field,kwargs,needle", [
     ("d", dict(k=10, d=19), "at least 2k = 20"),
     ("P", dict(P=9, C_p=1, s=2.0), "C_p (2 + 4 s) = 10"),

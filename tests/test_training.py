@@ -55,6 +55,21 @@ def test_resume_continues_exactly(tmp_path, mode):
     torch.testing.assert_close(resumed, straight, rtol=0, atol=0)
 
 
+def test_resumed_run_stops_at_the_same_step_after_capture(tmp_path):
+    def run(max_steps, ckpt=None, save=None):
+        L.seed_everything(0)
+        model = TeacherStudentMRP(m=5, sigma0=0.02, lr=10.0, stop_after_capture=10, backend="torch")
+        t = trainer(tmp_path, max_steps, enable_checkpointing=False)
+        t.fit(model, small_data(), ckpt_path=ckpt)
+        if save:
+            t.save_checkpoint(save)
+        return t.global_step, int(model.first_capture_step.max())
+    end, captured = run(1000)
+    assert end == captured + 10                                     # stopped by the rule, not by max_steps
+    run(captured + 3, save=tmp_path / "after_capture.ckpt")          # interrupted between capture and stop
+    assert run(1000, ckpt=tmp_path / "after_capture.ckpt") == (end, captured)
+
+
 def test_divergence_stops_and_keeps_last_good_checkpoint(tmp_path):
     L.seed_everything(0)
     model = TeacherStudentMRP(m=2, sigma0=0.5, lr=1e6, norm_cap=None, backend="torch")
