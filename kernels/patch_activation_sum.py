@@ -89,6 +89,25 @@ def _chunk_forward(xc, w, mc, act, teacher_scale, squares):
     return s, t, q
 
 
+def _save_context(ctx, x, w, mask, act, squares, chunk_elements, teacher, sq) -> None:
+    """What both backends' backward needs; teacher (and squares when not asked for) get no gradient."""
+    ctx.save_for_backward(x, w, mask)
+    ctx.act, ctx.chunk_elements, ctx.squares = act, chunk_elements, squares
+    ctx.mark_non_differentiable(*([teacher] if squares else [teacher, sq]))  # one call: it replaces
+    ctx.set_materialize_grads(False)
+
+
+def _backward_inputs(ctx, g_student, g_squares):
+    """``(x, w, mask, g_squares, need_x, need_w)``, or None when no input needs a gradient."""
+    x, w, mask = ctx.saved_tensors
+    need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    if not ctx.squares:
+        g_squares = None
+    if g_student is None and g_squares is None or not (need_x or need_w):
+        return None
+    return x, w, mask, g_squares, need_x, need_w
+
+
 class _TorchPatchSum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, mask, act, teacher_scale, squares, chunk_elements):
@@ -106,22 +125,17 @@ class _TorchPatchSum(torch.autograd.Function):
                 teacher[sl] = t
             if q is not None:
                 sq[sl] = q
-        ctx.save_for_backward(x, w, mask)
-        ctx.act, ctx.chunk_elements, ctx.squares = act, chunk_elements, squares
-        ctx.mark_non_differentiable(*([teacher] if squares else [teacher, sq]))  # one call: it replaces
-        ctx.set_materialize_grads(False)
+        _save_context(ctx, x, w, mask, act, squares, chunk_elements, teacher, sq)
         return student, teacher, sq
 
     @staticmethod
     @once_differentiable
     def backward(ctx, g_student, g_teacher, g_squares):
-        x, w, mask = ctx.saved_tensors
-        act = ctx.act
-        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        if not ctx.squares:
-            g_squares = None
-        if g_student is None and g_squares is None or not (need_x or need_w):
+        inputs = _backward_inputs(ctx, g_student, g_squares)
+        if inputs is None:
             return None, None, None, None, None, None, None
+        x, w, mask, g_squares, need_x, need_w = inputs
+        act = ctx.act
         B, P, d = x.shape
         R = w.shape[0]
         dx = torch.empty_like(x) if need_x else None
@@ -324,22 +338,18 @@ class _TritonPatchSum(torch.autograd.Function):
             HAS_MASK=mask is not None, HAS_TEACHER=teacher_scale is not None, HAS_SQUARES=bool(squares),
             BLOCK_B=BB, BLOCK_R=BR, BLOCK_D=BD, **_launch_opts(),
         )
-        ctx.save_for_backward(x, w, mask)
-        ctx.act, ctx.chunk_elements, ctx.squares, ctx.prm = act, chunk_elements, squares, prm
-        ctx.mark_non_differentiable(*([teacher] if squares else [teacher, sq]))  # one call: it replaces
-        ctx.set_materialize_grads(False)
+        _save_context(ctx, x, w, mask, act, squares, chunk_elements, teacher, sq)
+        ctx.prm = prm
         return student, teacher, sq
 
     @staticmethod
     @once_differentiable
     def backward(ctx, g_student, g_teacher, g_squares):
-        x, w, mask = ctx.saved_tensors
-        act = ctx.act
-        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        if not ctx.squares:
-            g_squares = None
-        if g_student is None and g_squares is None or not (need_x or need_w):
+        inputs = _backward_inputs(ctx, g_student, g_squares)
+        if inputs is None:
             return None, None, None, None, None, None, None
+        x, w, mask, g_squares, need_x, need_w = inputs
+        act = ctx.act
         B, P, D = x.shape
         R = w.shape[0]
         acc = tl.float64 if x.dtype == torch.float64 else tl.float32
