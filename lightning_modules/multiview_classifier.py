@@ -9,7 +9,9 @@ One module, two protocols:
   head ``fixed`` (kernel block ``i`` of ``m`` kernels sums into logit ``i``, A-Z&L) or ``linear``.
 
 Validation/test accuracy is logged separately on multi-view and single-view samples
-(``<stage>/acc/{all,multi,single}``) with torchmetrics.
+(``<stage>/acc/{all,multi,single}``) with torchmetrics, with the mean classification margin
+``F_y - max_{j != y} F_j`` (``<stage>/margin_mean/<view>``) and, at test, its histogram
+(``test/margin/<view>``).
 
 Example:
     >>> from featlearn.datamodules.multiview import MultiViewDataModule
@@ -29,6 +31,19 @@ from featlearn.errors import ConfigError
 from featlearn.lightning_modules.multiview_encoder import MultiViewEncoder
 
 VIEWS = ("all", "multi", "single")
+
+
+def classification_margin(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``F_y(X) - max_{j != y} F_j(X)`` per sample: negative exactly when the sample is misclassified
+    (Lemma 1: about half of SL's single-view samples; Theorem 2: none after MRP + fine-tuning).
+
+    Example:
+        >>> classification_margin(torch.tensor([[2.0, 0.5, 1.0]]), torch.tensor([2])).tolist()
+        [-1.0]
+    """
+    own = logits.gather(1, y[:, None]).squeeze(1)
+    others = logits.scatter(1, y[:, None], float("-inf")).max(1).values
+    return own - others
 
 
 class MultiViewClassifier(MultiViewEncoder):
@@ -95,12 +110,17 @@ class MultiViewClassifier(MultiViewEncoder):
         self.log_capture("encoder")
 
     def _evaluate(self, batch, stage: str) -> None:
-        pred, y, single = self(batch["x"]).argmax(1), batch["y"], batch["single_view"]
+        logits, y, single = self(batch["x"]), batch["y"], batch["single_view"]
+        pred, margin = logits.argmax(1), classification_margin(logits, y)
+        experiment = getattr(self.logger, "experiment", None)
         for view, keep in (("all", torch.ones_like(single)), ("multi", ~single), ("single", single)):
             if keep.any():
                 metric = self.metrics[f"{stage}_{view}"]
                 metric.update(pred[keep], y[keep])
                 self.log(f"{stage}/acc/{view}", metric, on_epoch=True, prog_bar=view == "single")
+                self.log(f"{stage}/margin_mean/{view}", margin[keep].mean(), on_epoch=True)
+                if stage == "test" and hasattr(experiment, "add_histogram"):
+                    experiment.add_histogram(f"test/margin/{view}", margin[keep], self.global_step)
 
     def validation_step(self, batch, batch_idx) -> None:
         self._evaluate(batch, "val")

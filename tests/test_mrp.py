@@ -123,3 +123,14 @@ def test_sampled_mask_loss_masks_the_student_only():
 def test_bad_model_config_names_field(cls, kwargs, field):
     with pytest.raises(ConfigError, match=rf"^{field}: must be"):
         cls(**kwargs)
+
+
+def test_margin_is_negative_exactly_for_misclassified_samples():
+    from featlearn.lightning_modules.multiview_classifier import classification_margin
+    g = torch.Generator().manual_seed(7)
+    logits, y = torch.randn(257, 5, generator=g, dtype=torch.float64), torch.randint(0, 5, (257,), generator=g)
+    margin = classification_margin(logits, y)
+    assert torch.equal(margin < 0, logits.argmax(1) != y)
+    sorted_logits = logits.sort(1, descending=True).values
+    best_other = torch.where(logits.argmax(1) == y, sorted_logits[:, 1], sorted_logits[:, 0])
+    torch.testing.assert_close(margin, logits.gather(1, y[:, None]).squeeze(1) - best_other)
