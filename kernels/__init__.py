@@ -1,5 +1,6 @@
 """Fused kernels of featlearn: one module per op (Triton kernels, autograd.Function, functional API, reference)."""
 from featlearn.kernels.activations import Activation, smoothed_relu, smoothed_relu_derivative
+from featlearn.kernels.backend import FLOAT_DTYPES, KernelInputError, check_float_inputs
 from featlearn.kernels.bn_cosine_loss import bn_column_stats, bn_cosine_loss, bn_cosine_loss_reference
 from featlearn.kernels.patch_activation_sum import PatchSums, patch_activation_sum, patch_activation_sum_reference
 from featlearn.kernels.soft_threshold import soft_threshold_layer, soft_threshold_reference, symmetric_relu
@@ -9,6 +10,9 @@ __all__ = [
     "bn_column_stats",
     "bn_cosine_loss",
     "bn_cosine_loss_reference",
+    "check_float_inputs",
+    "FLOAT_DTYPES",
+    "KernelInputError",
     "PatchSums",
     "patch_activation_sum",
     "patch_activation_sum_reference",

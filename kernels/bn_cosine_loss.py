@@ -34,6 +34,10 @@ Layout (Liger-Kernel style):
 * ``BNCosineLoss``: the ``autograd.Function`` shared by both backends; ``bn_cosine_loss(...)`` the
   functional API; ``bn_column_stats(...)`` the (global) column statistics for logging.
 
+Dtypes follow the shared policy of ``featlearn.kernels.backend``: p and z both float32 or both float64,
+anything else refused up front. Float64 inputs are computed in float64 throughout; float32 inputs are
+reduced in float32 in the Triton kernels and merged in float64 (the torch fallback uses float64 statistics).
+
 Data parallelism: when ``torch.distributed`` is initialised (``sync=None``) or ``sync=True``, the
 per-rank statistics ``(n, mean, M2, C)`` are all-gathered and merged, so mean / variance / correlation
 are those of the concatenated global batch, and ``N`` in the loss is the global batch size. The loss is
@@ -60,7 +64,8 @@ import torch
 import torch.distributed as dist
 
 from featlearn.errors import ConfigError
-from featlearn.kernels.backend import check_backend, interpreting, resolve_backend
+from featlearn.kernels.backend import (KernelInputError, check_backend, check_float_inputs, interpreting,
+                                       resolve_backend)
 
 import triton
 import triton.language as tl
@@ -352,8 +357,6 @@ class BNCosineLoss(torch.autograd.Function):
         p, z = p.contiguous(), z.contiguous()
         m = p.shape[1]
         if out_norm == "bn":
-            if not sync and p.shape[0] < 2:  # (synced: the global size is on the device; no host sync)
-                raise ConfigError("p", "a batch of at least 2 rows for batch-norm", p.shape[0])
             n, mf, mg, m2f, m2g, c = _bn_stats(p, z, backend, sync, group)
             vf, vg = m2f / n + eps, m2g / n + eps  # (var + eps)
             rho = (c / n) / torch.sqrt(vf * vg)
@@ -442,19 +445,33 @@ class BNCosineLoss(torch.autograd.Function):
 # ----------------------------------------------------------------------------------------------
 # functional API
 # ----------------------------------------------------------------------------------------------
-def _check(p, z, out_norm, eps):
+def _check(op, p, z, out_norm, eps):
+    check_float_inputs(op, p=p, z=z)
     if out_norm not in OUT_NORMS:
         raise ConfigError("out_norm", f"one of {OUT_NORMS}", out_norm)
     if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not math.isfinite(eps) or eps < 0:
         raise ConfigError("eps", "a finite number >= 0", eps)
     for name, t in (("p", p), ("z", z)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 2 or not t.is_floating_point():
-            raise ConfigError(name, "a 2-D floating tensor [N, m]",
-                              getattr(t, "shape", type(t).__name__))
+        if t.dim() != 2:
+            raise ConfigError(name, "a 2-D tensor [N, m]", tuple(t.shape))
     if p.shape != z.shape:
         raise ConfigError("z", f"the shape of p {tuple(p.shape)}", tuple(z.shape))
     if p.shape[1] < 1:
         raise ConfigError("p", "at least one column", tuple(p.shape))
+
+
+# rows the loss needs: batch statistics need two, a per-row norm one
+_MIN_ROWS = {"bn": (2, "out_norm='bn' needs N >= 2 rows (batch statistics)"),
+             "l2": (1, "out_norm='l2' needs N >= 1 row")}
+
+
+def _check_rows(op, p, out_norm, sync):
+    """Refuse a batch too small for ``out_norm`` up front. Synced: the check would need the global
+    size, i.e. a host sync every step, so it is left to the caller (a rank may hold fewer rows)."""
+    need, requirement = _MIN_ROWS[out_norm]
+    n = p.shape[0]
+    if not sync and n < need:
+        raise KernelInputError(op, "p", f"has {n} row{'' if n == 1 else 's'}", requirement, n)
 
 
 def bn_cosine_loss(p: torch.Tensor, z: torch.Tensor, *, out_norm: str = "bn", eps: float = 0.0,
@@ -464,7 +481,11 @@ def bn_cosine_loss(p: torch.Tensor, z: torch.Tensor, *, out_norm: str = "bn", ep
     Args:
         p: online outputs (after the prediction head); gets the gradient.
         z: target outputs; treated as stop-grad unless ``z.requires_grad`` (no-stop-grad ablation).
-        out_norm: ``"bn"`` (column batch-norm with batch statistics) or ``"l2"`` (per-row).
+            ``p`` and ``z`` are both float32 or both float64 (``KernelInputError`` otherwise, see
+            ``featlearn.kernels.backend``); the loss comes back in that dtype.
+        out_norm: ``"bn"`` (column batch-norm with batch statistics; needs N >= 2 rows) or ``"l2"``
+            (per-row; N >= 1). Too few rows raise ``KernelInputError`` up front (unsynced only: a
+            synced call would need the global size on the host).
         eps: added to the variance (bn) / squared row norm (l2); 0 = the theory.
         sync: all-gather the statistics over ``group`` (None: iff torch.distributed is initialised
             with more than one rank).
@@ -476,9 +497,10 @@ def bn_cosine_loss(p: torch.Tensor, z: torch.Tensor, *, out_norm: str = "bn", ep
         True
     """
     check_backend(backend)
-    _check(p, z, out_norm, eps)
+    _check("bn_cosine_loss", p, z, out_norm, eps)
     backend = resolve_backend(backend, p, z)
     sync = _want_sync(sync, group)
+    _check_rows("bn_cosine_loss", p, out_norm, sync)
     if not z.requires_grad:
         z = z.detach()
     return BNCosineLoss.apply(p, z, out_norm, float(eps), backend, sync, group)
@@ -495,7 +517,7 @@ def bn_column_stats(p: torch.Tensor, z: torch.Tensor, *, sync: bool | None = Non
         ['cov', 'mean_p', 'mean_z', 'n', 'rho', 'var_p', 'var_z']
     """
     check_backend(backend)
-    _check(p, z, "bn", 0.0)
+    _check("bn_column_stats", p, z, "bn", 0.0)
     backend = resolve_backend(backend, p, z)
     n, mf, mg, m2f, m2g, c = _bn_stats(p.contiguous(), z.contiguous(), backend, _want_sync(sync, group),
                                         group)

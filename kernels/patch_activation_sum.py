@@ -48,13 +48,12 @@ from torch.autograd.function import once_differentiable
 
 from featlearn.errors import ConfigError
 from featlearn.kernels.activations import Activation
-from featlearn.kernels.backend import check_backend, interpreting, resolve_backend
+from featlearn.kernels.backend import check_backend, check_float_inputs, interpreting, resolve_backend
 
 import triton
 import triton.language as tl
 
 DEFAULT_CHUNK_ELEMENTS = 2**24
-_DTYPES = (torch.float32, torch.float64)
 
 
 class PatchSums(NamedTuple):
@@ -394,16 +393,14 @@ class _TritonPatchSum(torch.autograd.Function):
 # Public API
 # ----------------------------------------------------------------------------------------------------
 def _validate(x, w, activation, mask, teacher_scale, squares, backend, chunk_elements):
-    if not isinstance(x, torch.Tensor) or x.dim() != 3 or min(x.shape) < 1:
-        got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-        raise ConfigError("x", "a non-empty tensor of shape [B, P, d]", got)
-    if x.dtype not in _DTYPES:
-        raise ConfigError("x", "float32 or float64", x.dtype)
-    if not isinstance(w, torch.Tensor) or w.dim() != 2 or w.shape[0] < 1 or w.shape[1] != x.shape[2]:
-        got = tuple(w.shape) if isinstance(w, torch.Tensor) else type(w).__name__
-        raise ConfigError("w", f"a tensor of shape [R, d] with R >= 1 and d = {x.shape[2]} (from x)", got)
-    if w.dtype != x.dtype:
-        raise ConfigError("w", f"the dtype of x ({x.dtype})", w.dtype)
+    # a float mask weights the sums, so it follows the dtype policy; a bool mask is exact in any dtype
+    float_mask = mask if isinstance(mask, torch.Tensor) and mask.dtype.is_floating_point else None
+    check_float_inputs("patch_activation_sum", x=x, w=w, mask=float_mask)
+    if x.dim() != 3 or min(x.shape) < 1:
+        raise ConfigError("x", "a non-empty tensor of shape [B, P, d]", tuple(x.shape))
+    if w.dim() != 2 or w.shape[0] < 1 or w.shape[1] != x.shape[2]:
+        raise ConfigError("w", f"a tensor of shape [R, d] with R >= 1 and d = {x.shape[2]} (from x)",
+                          tuple(w.shape))
     if w.device != x.device:
         raise ConfigError("w", f"on the device of x ({x.device})", str(w.device))
     if not isinstance(activation, Activation):
@@ -441,11 +438,12 @@ def patch_activation_sum(
     """Sum over patches of f(<w_r, x_p>): student (masked), optional teacher f(tau .) and squares.
 
     Args:
-        x: patches [B, P, d], float32 or float64.
+        x: patches [B, P, d], float32 or float64 (``KernelInputError`` otherwise, see
+            ``featlearn.kernels.backend``).
         w: kernels [R, d], same dtype and device.
         activation: the elementwise f.
-        mask: optional [B, P] bool or float weights m[b, p] on the student and squares sums
-            (not differentiated).
+        mask: optional [B, P] bool, or float weights m[b, p] in the dtype of x, on the student and
+            squares sums (not differentiated).
         teacher_scale: tau; when given, ``teacher = sum_p f(tau <w_r, x_p>)`` unmasked and detached.
         squares: also return ``sum_p m f(.)**2`` (differentiable).
         backend: "auto" | "torch" | "triton".

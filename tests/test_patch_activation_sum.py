@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from featlearn.errors import ConfigError
-from featlearn.kernels import Activation, PatchSums, patch_activation_sum, patch_activation_sum_reference
+from featlearn.kernels import (Activation, KernelInputError, PatchSums, patch_activation_sum,
+                               patch_activation_sum_reference)
 
 # the package re-exports the function under the module's name, so fetch the module itself
 pas = importlib.import_module("featlearn.kernels.patch_activation_sum")
@@ -15,16 +16,27 @@ BACKENDS = ["torch", "triton"]
 ACTS = [Activation("srelu", q=3, rho=0.5), Activation("srelu", q=2, rho=0.2), Activation("relu"),
         Activation("pow", q=3), Activation("pow", q=2)]
 # (mask kind, teacher_scale, squares)
-OPTIONS = [(None, None, False), ("bool", 1.5, True), ("float", None, True), (None, 0.7, False)]
+OPTIONS = [(None, None, False), ("bool", 1.5, True), ("float", None, True), (None, 0.7, False), ("float", 1.5, True)]
 SHAPES = [(5, 7, 37, 19), (3, 4, 17, 11), (1, 1, 1, 1), (4, 3, 20, 17), (2, 5, 33, 1), (5, 1, 3, 18)]
 # float32 results vs float64: fp32 rounding (~6e-8) grows with the d-term dot products and the
 # q-th power (relative error x q) and with the P-sum; 3e-5 of the output scale leaves a wide margin
-# over the ~3e-7 seen, while any indexing/masking bug gives O(1) errors.
+# over the ~3e-7 seen, while any indexing/masking bug gives O(1) errors. float64 sees ~3e-16; 1e-12
+# would catch a single float32 step (~1e-7).
 TOL = {torch.float32: 3e-5, torch.float64: 1e-12}
+DTYPES = [torch.float32, torch.float64]
 
 
 def _ids(a):
     return f"{a.name}{a.q}"
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    """Every output buffer the op allocates starts as NaN: cells a kernel fails to write show up."""
+    def nan_output(shape, like):
+        return torch.full(shape, float("nan"), dtype=like.dtype, device=like.device)
+
+    monkeypatch.setattr(pas, "_new_output", nan_output)
 
 
 def _inputs(seed, shape, dtype, mask_kind):
@@ -88,34 +100,31 @@ def _compare(backend, act, shape, dtype, mask_kind, ts, squares, seed, loss="bot
     return ex, ew
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("act", ACTS, ids=_ids)
 @pytest.mark.parametrize("opt", range(len(OPTIONS)))
-def test_matches_float64_reference_float32(backend, act, opt):
+def test_matches_float64_reference(poisoned, backend, act, opt, dtype):
     mask_kind, ts, squares = OPTIONS[opt]
     case = ACTS.index(act) * len(OPTIONS) + opt
-    shape = SHAPES[case % len(SHAPES)]
-    _compare(backend, act, shape, torch.float32, mask_kind, ts, squares, seed=1000 + case)
+    shape = SHAPES[(case + DTYPES.index(dtype)) % len(SHAPES)]
+    _compare(backend, act, shape, dtype, mask_kind, ts, squares, seed=1000 + 100 * DTYPES.index(dtype) + case)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("act", [ACTS[0], ACTS[2], ACTS[3]], ids=_ids)
-def test_matches_float64_reference_float64(backend, act):
-    _compare(backend, act, (5, 7, 37, 19), torch.float64, "float", 1.5, True, seed=7 + ACTS.index(act))
-
-
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("loss", ["student", "squares"])
-def test_gradient_of_one_output_only(backend, loss):
+def test_gradient_of_one_output_only(poisoned, backend, loss, dtype):
     # backward with only one of the two incoming gradients defined (the other is None)
-    _compare(backend, ACTS[0], (4, 5, 19, 13), torch.float32, "bool", 1.5, True, seed=31, loss=loss)
+    _compare(backend, ACTS[0], (4, 5, 19, 13), dtype, "bool", 1.5, True, seed=31, loss=loss)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("chunk", [1, 2 * 7 * 19 + 5])
-def test_chunked_path_matches(backend, chunk):
+def test_chunked_path_matches(poisoned, backend, chunk, dtype):
     # chunk=1: one sample per chunk; the other: 2 samples per chunk with a partial last chunk (B=5)
-    _compare(backend, ACTS[0], (5, 7, 37, 19), torch.float64, "float", 1.5, True, seed=55, chunk=chunk)
+    _compare(backend, ACTS[0], (5, 7, 37, 19), dtype, "float", 1.5, True, seed=55, chunk=chunk)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -140,11 +149,7 @@ def test_gradient_wrt_one_input_and_noncontiguous(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_poisoned_buffers_are_fully_overwritten(backend, monkeypatch):
-    def nan_output(shape, like):
-        return torch.full(shape, float("nan"), dtype=like.dtype, device=like.device)
-
-    monkeypatch.setattr(pas, "_new_output", nan_output)
+def test_poisoned_buffers_are_fully_overwritten(backend, poisoned):
     # B, R, d not multiples of any tile size; chunked backward with a partial last chunk
     _compare(backend, ACTS[0], (5, 3, 21, 19), torch.float32, "bool", 1.5, True, seed=77, chunk=2 * 3 * 19)
     _compare(backend, ACTS[3], (3, 2, 17, 33), torch.float64, None, None, True, seed=78)
@@ -216,11 +221,8 @@ def _bad_cases():
     act = ACTS[0]
     yield "x", dict(x=torch.randn(6, 5), w=w), "[B, P, d]"
     yield "x", dict(x=torch.randn(0, 3, 5), w=w), "non-empty"
-    yield "x", dict(x=x.half(), w=w.half()), "float32 or float64"
-    yield "x", dict(x=x.long(), w=w), "float32 or float64"
     yield "w", dict(x=x, w=torch.randn(4, 6)), "d = 5"
     yield "w", dict(x=x, w=torch.randn(4, 5, 1)), "[R, d]"
-    yield "w", dict(x=x, w=w.double()), "dtype of x"
     yield "activation", dict(x=x, w=w, activation="srelu"), "Activation"
     yield "mask", dict(x=x, w=w, mask=torch.ones(3, 2, dtype=torch.bool)), "[B, P] = (2, 3)"
     yield "mask", dict(x=x, w=w, mask=torch.ones(2, 3, dtype=torch.long)), "bool or floating"
@@ -241,3 +243,44 @@ def test_bad_inputs_raise_config_error_naming_the_argument(field, kwargs, fragme
         patch_activation_sum(x, w, act, **kwargs)
     msg = str(info.value)
     assert msg.startswith(f"{field}: must be ") and fragment in msg, msg
+
+
+SUPPORTED = "supported: torch.float32, torch.float64 (all inputs the same dtype)"
+
+
+def _dtype_refusals():
+    x, w = torch.randn(2, 3, 5), torch.randn(4, 5)
+    mask = torch.rand(2, 3)
+    yield "x", dict(x=x.half(), w=w.half()), "has dtype torch.float16"
+    yield "x", dict(x=x.bfloat16(), w=w.bfloat16()), "has dtype torch.bfloat16"
+    yield "x", dict(x=x.long(), w=w), "has dtype torch.int64"
+    yield "w", dict(x=x, w=w.double()), "has dtype torch.float64 but x has torch.float32"
+    yield "w", dict(x=x.double(), w=w.half()), "has dtype torch.float16"
+    yield "mask", dict(x=x, w=w, mask=mask.double()), "has dtype torch.float64 but x has torch.float32"
+    yield "mask", dict(x=x.double(), w=w.double(), mask=mask), "has dtype torch.float32 but x has torch.float64"
+    yield "mask", dict(x=x, w=w, mask=mask.half()), "has dtype torch.float16"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("field,kwargs,problem", list(_dtype_refusals()), ids=itertools.count())
+def test_dtype_policy_refuses_before_any_work(monkeypatch, backend, field, kwargs, problem):
+    def boom(*args):
+        raise AssertionError("an autograd.Function ran on refused inputs")
+
+    monkeypatch.setattr(pas._TorchPatchSum, "apply", boom)
+    monkeypatch.setattr(pas._TritonPatchSum, "apply", boom)
+    kwargs = dict(kwargs)
+    x, w = kwargs.pop("x"), kwargs.pop("w")
+    with pytest.raises(KernelInputError) as info:
+        patch_activation_sum(x, w, ACTS[0], backend=backend, **kwargs)
+    assert str(info.value) == f"patch_activation_sum: {field} {problem}; {SUPPORTED}"
+    assert info.value.field == field and isinstance(info.value, ConfigError)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_bool_mask_is_accepted_with_either_dtype(dtype):
+    x, w, mask = _inputs(4, (3, 4, 5, 6), dtype, "bool")
+    out = patch_activation_sum(x, w, ACTS[2], mask=mask, backend="torch")
+    ref = patch_activation_sum_reference(x, w, ACTS[2], mask=mask)
+    assert out.student.dtype == dtype
+    torch.testing.assert_close(out.student, ref.student)

@@ -6,14 +6,17 @@ import pytest
 import torch
 
 from featlearn.errors import ConfigError
+from featlearn.kernels.backend import KernelInputError
 
 st = importlib.import_module("featlearn.kernels.soft_threshold")
 
 # (B, d1, m): odd sizes that straddle the 16-wide interpreter tiles, plus degenerate ones
 SHAPES = [(7, 19, 13), (33, 50, 17), (5, 3, 40), (1, 1, 1), (17, 64, 33)]
-# fp32 vs float64: each output is a d1-term dot product (rounding ~ sqrt(d1) 6e-8 of the scale);
-# 2e-5 of the output scale leaves > 10x margin over what we see; an indexing bug gives O(1) errors.
-TOL = 2e-5
+# vs float64 on the same (rounded) inputs: each output is a d1-term dot product, rounding ~ sqrt(d1) eps
+# of the scale. fp32 (eps 6e-8): 2e-5 leaves > 10x margin over what we see; fp64 (eps 1e-16): 1e-12
+# catches a float32 accumulator (~1e-7) by five orders. An indexing bug gives O(1) errors.
+TOL = {torch.float32: 2e-5, torch.float64: 1e-12}
+DTYPES = [torch.float32, torch.float64]
 
 
 def _inputs(seed, shape, bias_kind):
@@ -47,36 +50,46 @@ def poisoned(monkeypatch):
     monkeypatch.setattr(st, "_empty", _empty)
 
 
+def _compare(backend, dtype, x, w, b, grad, need=(True, True, True), **kw):
+    """Run the op in ``dtype`` and the reference in float64 on the same rounded inputs; relative errors."""
+    ins = [t.to(dtype).requires_grad_(r) for t, r in zip((x, w, b), need)]
+    ref_in = [t.detach().double().requires_grad_(r) for t, r in zip(ins, need)]
+    grad = grad.to(dtype)
+    ref = st.soft_threshold_reference(*ref_in)
+    ref.backward(grad.double())
+    out = st.soft_threshold_layer(*ins, backend=backend, **kw)
+    out.backward(grad)
+    assert out.dtype == dtype and out.shape == ref.shape
+    errs = [_rel(out, ref.detach())]
+    for got, want, r in zip(ins, ref_in, need):
+        if r:
+            assert got.grad.dtype == dtype
+            errs.append(_rel(got.grad, want.grad))
+        else:
+            assert got.grad is None
+    return errs
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("shape,bias_kind,seed", [(s, k, i) for i, (s, k) in
                                                  enumerate(itertools.product(SHAPES, ["pos", "mixed", "zero"]))])
-def test_forward_backward_vs_float64(poisoned, backend, shape, bias_kind, seed):
+def test_forward_backward_vs_float64(poisoned, backend, shape, bias_kind, seed, dtype):
     x, w, b, grad = _inputs(seed, shape, bias_kind)
-    xr, wr, br = (t.clone().requires_grad_(True) for t in (x, w, b))
-    ref = st.soft_threshold_reference(xr, wr, br)
-    ref.backward(grad)
-    xf, wf, bf = (t.float().requires_grad_(True) for t in (x, w, b))
-    out = st.soft_threshold_layer(xf, wf, bf, backend=backend)
-    out.backward(grad.float())
-    assert out.dtype == torch.float32 and out.shape == ref.shape
-    assert _rel(out, ref) < TOL
-    assert _rel(xf.grad, xr.grad) < TOL
-    assert _rel(wf.grad, wr.grad) < TOL
-    assert _rel(bf.grad, br.grad) < TOL
+    assert max(_compare(backend, dtype, x, w, b, grad)) < TOL[dtype]
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("need", [(True, False, False), (False, True, False), (False, False, True), (False, True, True)])
-def test_triton_partial_gradients(poisoned, need):
+def test_triton_partial_gradients(poisoned, need, dtype):
     x, w, b, grad = _inputs(7, (9, 21, 18), "mixed")
-    ref_in = [t.clone().requires_grad_(r) for t, r in zip((x, w, b), need)]
-    st.soft_threshold_reference(*ref_in).backward(grad)
-    ins = [t.float().requires_grad_(r) for t, r in zip((x, w, b), need)]
-    st.soft_threshold_layer(*ins, backend="triton").backward(grad.float())
-    for got, want, r in zip(ins, ref_in, need):
-        if r:
-            assert _rel(got.grad, want.grad) < TOL
-        else:
-            assert got.grad is None
+    assert max(_compare("triton", dtype, x, w, b, grad, need)) < TOL[dtype]
+
+
+def test_float64_ignores_allow_tf32(poisoned):
+    # there is no fp64 TF32: the flag must not lower a float64 run's precision (nor fail to compile)
+    x, w, b, grad = _inputs(21, (13, 37, 19), "mixed")
+    assert max(_compare("triton", torch.float64, x, w, b, grad, allow_tf32=True)) < TOL[torch.float64]
 
 
 def test_soft_threshold_identity():
@@ -92,12 +105,14 @@ def test_soft_threshold_identity():
                           torch.tensor([0.6, -0.6, 3.0], dtype=torch.float64))
 
 
-def test_bias_none_is_linear_and_backends_agree():
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_bias_none_is_linear_and_backends_agree(dtype):
     x, w, _, _ = _inputs(11, (6, 20, 9), "zero")
-    x, w = x.float(), w.float()
-    ref = x @ w.t()
+    x, w = x.to(dtype), w.to(dtype)
+    ref = x.double() @ w.double().t()
     for backend in ("torch", "triton"):
-        assert torch.allclose(st.soft_threshold_layer(x, w, None, backend=backend), ref, atol=1e-5)
+        out = st.soft_threshold_layer(x, w, None, backend=backend)
+        assert out.dtype == dtype and _rel(out, ref) < TOL[dtype]
 
 
 def test_bad_inputs_raise_config_error():
@@ -110,3 +125,29 @@ def test_bad_inputs_raise_config_error():
         st.soft_threshold_layer(x, w, torch.zeros(3))
     with pytest.raises(ConfigError, match="x"):
         st.soft_threshold_layer(torch.randn(2, 3, 5), w)
+
+
+def _dtype_cases():
+    x, w, b = torch.randn(3, 5), torch.randn(4, 5), torch.rand(4)
+    yield "x", dict(x=x.half(), w=w.half(), bias=b.half()), "has dtype torch.float16;"
+    yield "x", dict(x=x.bfloat16(), w=w.bfloat16(), bias=None), "has dtype torch.bfloat16;"
+    yield "x", dict(x=x.long(), w=w, bias=b), "has dtype torch.int64;"
+    yield "w", dict(x=x, w=w.double(), bias=b), "has dtype torch.float64 but x has torch.float32;"
+    yield "bias", dict(x=x.double(), w=w.double(), bias=b), "has dtype torch.float32 but x has torch.float64;"
+    yield "w", dict(x=x, w=w.half(), bias=None), "has dtype torch.float16;"
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("field,args,fragment", list(_dtype_cases()), ids=itertools.count())
+def test_dtype_policy_refuses_before_any_work(monkeypatch, backend, field, args, fragment):
+    def boom(*a):
+        raise AssertionError("an autograd.Function ran on refused inputs")
+
+    monkeypatch.setattr(st.SoftThresholdTorch, "apply", boom)
+    monkeypatch.setattr(st.SoftThresholdTriton, "apply", boom)
+    with pytest.raises(KernelInputError) as info:
+        st.soft_threshold_layer(args["x"], args["w"], args["bias"], backend=backend)
+    msg = str(info.value)
+    assert msg.startswith(f"soft_threshold_layer: {field} {fragment}"), msg
+    assert msg.endswith("supported: torch.float32, torch.float64 (all inputs the same dtype)"), msg
+    assert info.value.field == field and isinstance(info.value, ConfigError)
