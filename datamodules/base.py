@@ -33,6 +33,11 @@ from torch.utils.data import DataLoader, Dataset
 
 from featlearn.datamodules import rng
 from featlearn.errors import ConfigError
+from featlearn.validation import PositiveInt, check_args, check_memory, format_bytes
+
+GEN_BYTES = 36
+"""Peak bytes of temporaries per generated value: the counter-based generator holds int64 counters and
+float64 Box-Muller terms behind every float it returns (measured 27-36 bytes on CPU)."""
 
 SPLITS = ("train", "val", "test")
 
@@ -64,32 +69,53 @@ class SyntheticDataModule(L.LightningDataModule):
         shuffle: reshuffle fixed training minibatches every epoch (order is a function of seed, epoch).
     """
 
+    train_field = "data.num_train"  # the config field that sizes the training split (named in refusals)
+
     def __init__(
         self,
         seed: int = 0,
         mode: Literal["fixed", "online"] = "fixed",
-        batch_size: int | None = None,
-        num_train: int = 1000,
-        num_val: int = 1000,
-        num_test: int = 1000,
-        steps_per_epoch: int = 100,
+        batch_size: PositiveInt | None = None,
+        num_train: PositiveInt = 1000,
+        num_val: PositiveInt = 1000,
+        num_test: PositiveInt = 1000,
+        steps_per_epoch: PositiveInt = 100,
         shuffle: bool = True,
     ):
+        check_args("data", SyntheticDataModule.__init__, locals())
         super().__init__()
-        if mode not in ("fixed", "online"):
-            raise ConfigError("data.mode", "'fixed' or 'online'", mode)
-        for name, value in (("num_train", num_train), ("num_val", num_val), ("num_test", num_test),
-                            ("steps_per_epoch", steps_per_epoch)):
-            if value < 1:
-                raise ConfigError(f"data.{name}", "a positive integer", value)
-        if batch_size is not None and batch_size < 1:
-            raise ConfigError("data.batch_size", "a positive integer or null (full batch)", batch_size)
         if mode == "online" and batch_size is None:
             raise ConfigError("data.batch_size", "a positive integer in online mode", batch_size)
+        if mode == "fixed" and batch_size is not None and batch_size > num_train:
+            raise ConfigError("data.batch_size", f"at most the training split's {num_train} samples", batch_size)
         self.seed, self.mode, self.batch_size, self.shuffle = seed, mode, batch_size, shuffle
         self.sizes = {"train": num_train, "val": num_val, "test": num_test}
         self.steps_per_epoch = steps_per_epoch
         self._cache: dict[tuple[str, str], dict] = {}
+
+    @staticmethod
+    def check_memory(func, sizes: dict, mode: str, batch_size: int | None, num_train: int, num_val: int,
+                     num_test: int, train_values: float, eval_values: float, out_bytes: int, consts: float = 0,
+                     gen_bytes: float = GEN_BYTES) -> None:
+        """Refuse, before allocating anything, sizes whose data cannot fit in the free memory of the
+        device that will generate it (see :func:`featlearn.validation.check_memory`).
+
+        The estimate adds the constants (``consts`` bytes), the cached fixed splits (val, test, and train
+        in fixed mode), one training batch, and the generator's temporaries while the largest split or
+        batch is drawn (``gen_bytes`` per value). ``train_values`` / ``eval_values`` are the values per
+        training / evaluation sample, ``out_bytes`` the size of one. The field named is the entry of
+        ``sizes`` (field: value) that grew most over its default in ``func``'s signature.
+        """
+        train_rows = num_train if mode == "fixed" else 0
+        cached = ((num_val + num_test) * eval_values + train_rows * train_values) * out_bytes
+        batch = (batch_size or num_train) * train_values * out_bytes
+        largest = max(num_val * eval_values, num_test * eval_values,
+                      (num_train if mode == "fixed" else batch_size or num_train) * train_values)
+        temporaries = largest * gen_bytes
+        needed = consts + cached + batch + temporaries
+        what = (f"the data (constants {format_bytes(consts)}, cached splits {format_bytes(cached)}, one batch "
+                f"{format_bytes(batch)}, generation temporaries {format_bytes(temporaries)})")
+        check_memory("data", func, sizes, needed, what)
 
     # --- to implement -------------------------------------------------------------------------
     def sample(self, index: torch.Tensor, split: str) -> dict[str, torch.Tensor]:
@@ -137,11 +163,23 @@ class SyntheticDataModule(L.LightningDataModule):
                               "raise data.batch_size instead)", trainer.accumulate_grad_batches)
         return trainer.global_step, trainer.global_rank, trainer.world_size
 
+    def check_devices(self, world_size: int) -> None:
+        """Refuse, before fitting, a fixed training split that cannot be shared by ``world_size`` devices
+        (the same checks the dataloaders make once fitting has started)."""
+        if self.mode != "fixed":
+            return
+        if self.batch_size is None and self.sizes["train"] % world_size:
+            raise ConfigError(self.train_field, f"a multiple of the device count {world_size} in full-batch mode",
+                              self.sizes["train"])
+        if self.batch_size is not None:
+            self._steps_per_data_epoch(world_size)
+
     def _steps_per_data_epoch(self, world_size: int) -> int:
         global_batch = self.batch_size * world_size
         steps = self.sizes["train"] // global_batch
         if steps < 1:
-            raise ConfigError("data.batch_size", f"at most num_train / devices = {self.sizes['train'] // world_size}",
+            raise ConfigError("data.batch_size", f"at most {self.train_field[5:]} / devices = "
+                                                 f"{self.sizes['train'] // world_size}",
                               self.batch_size)
         return steps
 
@@ -189,7 +227,7 @@ class SyntheticDataModule(L.LightningDataModule):
         n = self.sizes["train"]
         if self.batch_size is None:
             if n % world:  # unequal shares would make DDP's average differ from the full-batch mean
-                raise ConfigError("data.num_train", f"a multiple of the device count {world} in full-batch mode", n)
+                raise ConfigError(self.train_field, f"a multiple of the device count {world} in full-batch mode", n)
             return torch.arange(rank, n, world, device=device)
         epoch, position = divmod(step, self._steps_per_data_epoch(world))
         if self.shuffle and self.batch_size < n:

@@ -26,6 +26,8 @@ import torch
 from featlearn.datamodules import rng
 from featlearn.datamodules.base import SyntheticDataModule
 from featlearn.errors import ConfigError
+from featlearn.validation import (ClosedUnitInterval, LeftOpenUnitInterval, NonNegativeFloat, PositiveInt, check_args,
+                                  int_at_least)
 
 _STREAMS = {"pretrain": 1, "downstream": 2, "val": 3, "test": 4}
 _Y, _SINGLE, _MAIN, _OFF, _PRIORITY, _PATCHES, _SUMS, _CLOSE, _ALPHA, _NOISE = range(10)
@@ -47,47 +49,48 @@ class MultiViewDataModule(SyntheticDataModule):
 
     def __init__(
         self,
-        k: int = 10,
-        d: int = 256,
-        P: int = 16,
-        C_p: int = 1,
-        s: float = 2.0,
-        mu: float = 0.2,
-        rho: float = 0.1,
-        sigma_p: float = 0.005,
-        gamma: float = 0.002,
-        close_prob: float = 0.0,
+        k: int_at_least(2) = 10,
+        d: PositiveInt = 256,
+        P: PositiveInt = 16,
+        C_p: PositiveInt = 1,
+        s: NonNegativeFloat = 2.0,
+        mu: ClosedUnitInterval = 0.2,
+        rho: LeftOpenUnitInterval = 0.1,
+        sigma_p: NonNegativeFloat = 0.005,
+        gamma: NonNegativeFloat = 0.002,
+        close_prob: ClosedUnitInterval = 0.0,
         basis: Literal["identity", "random"] = "identity",
         train_set: Literal["pretrain", "downstream"] = "pretrain",
-        num_pretrain: int = 1000,
-        num_downstream: int = 500,
+        num_pretrain: PositiveInt = 1000,
+        num_downstream: PositiveInt = 500,
         seed: int = 0,
         mode: Literal["fixed", "online"] = "fixed",
-        batch_size: int | None = None,
-        num_val: int = 1000,
-        num_test: int = 2000,
-        steps_per_epoch: int = 100,
+        batch_size: PositiveInt | None = None,
+        num_val: PositiveInt = 1000,
+        num_test: PositiveInt = 2000,
+        steps_per_epoch: PositiveInt = 100,
         shuffle: bool = True,
     ):
-        checks = [
-            ("k", k >= 2, "an integer >= 2"),
-            ("d", d >= 2 * k, f"at least 2k = {2 * k}"),
-            ("C_p", C_p >= 1, "an integer >= 1"),
-            ("s", 0 <= s <= k, f"in [0, k = {k}]"),
-            ("P", P >= C_p * (2 + 4 * s), f"at least C_p (2 + 4 s) = {C_p * (2 + 4 * s):g} patches"),
-            ("mu", 0 <= mu <= 1, "in [0, 1]"),
-            ("rho", 0 < rho <= 1, "in (0, 1]"),
-            ("sigma_p", sigma_p >= 0, ">= 0"),
-            ("gamma", gamma >= 0, ">= 0"),
-            ("close_prob", 0 <= close_prob <= 1, "in [0, 1]"),
-            ("basis", basis in ("identity", "random"), "'identity' or 'random'"),
-            ("train_set", train_set in ("pretrain", "downstream"), "'pretrain' or 'downstream'"),
-        ]
-        for name, ok, allowed in checks:
-            if not ok:
-                raise ConfigError(f"data.{name}", allowed, locals()[name])
+        check_args("data", MultiViewDataModule.__init__, locals())
+        if d < 2 * k:
+            raise ConfigError("data.d", f"at least 2k = {2 * k}", d)
+        if s > k:
+            raise ConfigError("data.s", f"in [0, k = {k}]", s)
+        if P < C_p * (2 + 4 * s):
+            raise ConfigError("data.P", f"at least C_p (2 + 4 s) = {C_p * (2 + 4 * s):g} patches", P)
         num_train = num_pretrain if train_set == "pretrain" else num_downstream
+        train_field = "data.num_pretrain" if train_set == "pretrain" else "data.num_downstream"
+        if mode == "fixed" and batch_size is not None and batch_size > num_train:
+            # checked here, not in the base class, so the message names the field the user sets
+            raise ConfigError("data.batch_size", f"at most {train_field} = {num_train} in fixed mode", batch_size)
+        sizes = {"d": d, "P": P, "k": k, train_field[5:]: num_train, "num_val": num_val, "num_test": num_test,
+                 "batch_size": batch_size or 0}
+        per_sample = P * d
+        self.check_memory(MultiViewDataModule.__init__, sizes, mode, batch_size, num_train, num_val, num_test,
+                          train_values=per_sample, eval_values=per_sample, out_bytes=4,
+                          consts=2 * k * d * (32 if basis == "random" else 4))
         super().__init__(seed, mode, batch_size, num_train, num_val, num_test, steps_per_epoch, shuffle)
+        self.train_field = train_field
         self.k, self.d, self.P, self.C_p, self.s, self.mu, self.rho = k, d, P, C_p, s, mu, rho
         self.sigma_p, self.gamma, self.close_prob, self.basis, self.train_set = sigma_p, gamma, close_prob, basis, train_set
         self._features = self._make_features()

@@ -17,8 +17,12 @@ sample and its two views are identical whatever the batch size or device. Traini
   ``x_a = x_q = x`` when ``augment="none"``; general mask probability ``q``: ``D/q`` and ``(I-D)/(1-q)``;
 * ``x_neg``: the pool of negatives, fresh population samples, **not** augmented unless
   ``augment_negatives=True`` (then one masked view ``D' x_n / q``). ``negatives="shared"`` gives one pool
-  ``[N, d1]`` for the whole batch, made of ``r = ceil(N / batch_size)`` negatives owned by each anchor
-  index (so also a pure function of (seed, index)); ``"per_anchor"`` gives every anchor its own ``N``
+  ``[N, d1]`` for the whole *global* batch (all devices): each anchor index owns
+  ``r = ceil(N / global batch)`` negatives (a pure function of (seed, index)) and the pool is the first
+  ``N`` of them taken anchor by anchor in increasing sample index (:func:`pool_negatives`). On several
+  devices a batch keeps its anchors' own negatives ``[B, r, d1]`` and sets ``neg_pool_size = N``: the
+  model pools their representations after gathering them from every device, so every step is the
+  one-device step on the same global batch. ``"per_anchor"`` gives every anchor its own ``N``
   negatives ``[B, N, d1]`` (the paper-exact estimator; memory ``B N d1``, tiny sizes only).
 
 Validation/test batches hold ``x, z, xi, y_reg, y_cls`` only (used by the probes and metrics).
@@ -41,12 +45,32 @@ import torch
 from featlearn.datamodules import rng
 from featlearn.datamodules.base import SyntheticDataModule
 from featlearn.errors import ConfigError
+from featlearn.validation import (LeftOpenUnitInterval, NonNegativeFloat, OpenUnitInterval, PositiveFloat, PositiveInt,
+                                  check_args, int_at_least)
 
 # per-split quantities (RNG streams via SyntheticDataModule.stream(split, q))
 _Q_SUPPORT, _Q_SIGN, _Q_NOISE, _Q_MASK = 1, 2, 3, 4
 _Q_NEG_SUPPORT, _Q_NEG_SIGN, _Q_NEG_NOISE, _Q_NEG_MASK = 5, 6, 7, 8
 # global quantities (not per sample)
 _G_DICT, _G_COORD, _G_WSTAR_SIGN, _G_WSTAR_MAG = 11, 12, 13, 14
+
+
+def pool_negatives(owned: torch.Tensor, index: torch.Tensor, size: int) -> torch.Tensor:
+    """The shared pool: the first ``size`` of the anchors' own negatives ``owned [K, r, ...]``, taken
+    anchor by anchor in increasing sample ``index [K]``; works on inputs and on representations alike.
+
+    Ordering by sample index rather than by batch position makes the pool a function of the set of
+    anchors in the global batch only, so the rows gathered from any split of it over devices give
+    exactly the pool one device builds.
+
+    Example:
+        >>> owned = torch.arange(12.0).reshape(4, 3, 1)            # anchor k owns 3k, 3k+1, 3k+2
+        >>> pool_negatives(owned, torch.tensor([7, 2, 9, 5]), 5).flatten().tolist()
+        [3.0, 4.0, 5.0, 9.0, 10.0]
+    """
+    r = owned.shape[1]
+    first = torch.argsort(index)[: math.ceil(size / r)]
+    return owned[first].flatten(0, 1)[:size]
 
 
 class SparseCodingDataModule(SyntheticDataModule):
@@ -67,53 +91,44 @@ class SparseCodingDataModule(SyntheticDataModule):
 
     def __init__(
         self,
-        d: int = 32,
-        d1: int = 256,
-        C_z: float = 1.0,
-        C_xi: float = 1.0,
-        p: float | None = None,
-        sigma_xi: float | None = None,
+        d: int_at_least(3) = 32,  # log log d must be > 0
+        d1: PositiveInt = 256,
+        C_z: PositiveFloat = 1.0,
+        C_xi: NonNegativeFloat = 1.0,
+        p: LeftOpenUnitInterval | None = None,
+        sigma_xi: NonNegativeFloat | None = None,
         dictionary: Literal["random", "coordinate"] = "random",
         augment: Literal["random_mask", "none"] = "random_mask",
-        mask_prob: float = 0.5,
+        mask_prob: OpenUnitInterval = 0.5,
         augment_negatives: bool = False,
-        num_negatives: int = 256,
+        num_negatives: PositiveInt = 256,
         negatives: Literal["shared", "per_anchor"] = "shared",
         seed: int = 0,
         mode: Literal["fixed", "online"] = "online",
-        batch_size: int | None = 256,
-        num_train: int = 4096,
-        num_val: int = 8000,
-        num_test: int = 4000,
-        steps_per_epoch: int = 100,
+        batch_size: PositiveInt | None = 256,
+        num_train: PositiveInt = 4096,
+        num_val: PositiveInt = 8000,
+        num_test: PositiveInt = 4000,
+        steps_per_epoch: PositiveInt = 100,
         shuffle: bool = True,
     ):
-        if not isinstance(d, int) or d < 3:  # log log d must be > 0
-            raise ConfigError("data.d", "an integer >= 3", d)
-        if not isinstance(d1, int) or d1 <= d:
+        check_args("data", SparseCodingDataModule.__init__, locals())
+        if d1 <= d:
             raise ConfigError("data.d1", f"an integer > d = {d}", d1)
-        if dictionary not in ("random", "coordinate"):
-            raise ConfigError("data.dictionary", "'random' or 'coordinate'", dictionary)
-        if augment not in ("random_mask", "none"):
-            raise ConfigError("data.augment", "'random_mask' or 'none'", augment)
-        if not 0.0 < mask_prob < 1.0:
-            raise ConfigError("data.mask_prob", "in (0, 1)", mask_prob)
-        if negatives not in ("shared", "per_anchor"):
-            raise ConfigError("data.negatives", "'shared' or 'per_anchor'", negatives)
-        if not isinstance(num_negatives, int) or num_negatives < 1:
-            raise ConfigError("data.num_negatives", "a positive integer", num_negatives)
-        if C_z <= 0:
-            raise ConfigError("data.C_z", "> 0", C_z)
-        if C_xi < 0:
-            raise ConfigError("data.C_xi", ">= 0", C_xi)
         if p is None:
             p = C_z * math.log(math.log(d)) / d
-        if not 0.0 < p <= 1.0:
-            raise ConfigError("data.p", "in (0, 1] (C_z log log d / d is outside it)", p)
+            if p > 1.0:
+                raise ConfigError("data.p", "in (0, 1] (C_z log log d / d is outside it)", p)
         if sigma_xi is None:
             sigma_xi = math.sqrt(C_xi * math.sqrt(math.log(d)) / d)
-        if sigma_xi < 0:
-            raise ConfigError("data.sigma_xi", ">= 0", sigma_xi)
+        per_step = batch_size if batch_size is not None else num_train
+        owned = num_negatives if negatives == "per_anchor" else math.ceil(num_negatives / per_step)
+        # a training sample holds x, z, xi, x_a, x_q and its negatives; an evaluation sample x, z, xi
+        self.check_memory(SparseCodingDataModule.__init__,
+                          {"d": d, "d1": d1, "num_negatives": num_negatives, "batch_size": batch_size or 0,
+                           "num_train": num_train, "num_val": num_val, "num_test": num_test}, mode, batch_size,
+                          num_train, num_val, num_test, train_values=4 * d1 + d + owned * (d1 + d),
+                          eval_values=2 * d1 + d, out_bytes=4, consts=32 * d1 * d)
         super().__init__(seed=seed, mode=mode, batch_size=batch_size, num_train=num_train, num_val=num_val,
                          num_test=num_test, steps_per_epoch=steps_per_epoch, shuffle=shuffle)
         self.d, self.d1 = d, d1
@@ -121,9 +136,6 @@ class SparseCodingDataModule(SyntheticDataModule):
         self.p, self.sigma_xi = float(p), float(sigma_xi)
         self.dictionary, self.augment, self.mask_prob = dictionary, augment, mask_prob
         self.augment_negatives, self.num_negatives, self.negatives = augment_negatives, num_negatives, negatives
-        per_step = batch_size if batch_size is not None else num_train
-        # negatives owned by each anchor index (shared pool = first N of the concatenation)
-        self.neg_per_sample = num_negatives if negatives == "per_anchor" else math.ceil(num_negatives / per_step)
         self._consts: dict[str, dict[str, torch.Tensor]] = {}
 
     # ------------------------------------------------------------------------------------------
@@ -198,19 +210,44 @@ class SparseCodingDataModule(SyntheticDataModule):
             out["x_a"], out["x_q"] = self._mask_views(x, mask)
         else:
             out["x_a"], out["x_q"] = x, x
-        xn, _, _ = self._draw(index, split, (self.neg_per_sample,), _Q_NEG_SUPPORT, _Q_NEG_SIGN, _Q_NEG_NOISE)
-        if self.augment_negatives:
-            mneg = rng.bernoulli(self.seed, self.stream(split, _Q_NEG_MASK), index, (self.neg_per_sample, self.d1),
-                                 self.mask_prob)
-            xn = torch.where(mneg, xn / self.mask_prob, 0.0)
-        out["x_neg"] = xn  # [B, r, d1]; pooled in batch()
+        out["x_neg"] = self._negatives(index, split, self.negatives_per_anchor())  # [B, r, d1]; pooled in batch()
         return out
 
+    def negatives_per_anchor(self) -> int:
+        """``r``: negatives owned by each anchor, ``N`` per anchor, else ``ceil(N / global batch)``.
+
+        Sized from the global batch (per-device batch x devices) so that the pool of ``W`` devices with
+        ``B`` anchors each is the pool of one device with ``W B`` anchors.
+        """
+        if self.negatives == "per_anchor":
+            return self.num_negatives
+        global_batch = self.sizes["train"] if self.batch_size is None else self.batch_size * self._world()[2]
+        return math.ceil(self.num_negatives / global_batch)
+
+    def _negatives(self, index: torch.Tensor, split: str, r: int) -> torch.Tensor:
+        xn, _, _ = self._draw(index, split, (r,), _Q_NEG_SUPPORT, _Q_NEG_SIGN, _Q_NEG_NOISE)
+        if self.augment_negatives:
+            mneg = rng.bernoulli(self.seed, self.stream(split, _Q_NEG_MASK), index, (r, self.d1), self.mask_prob)
+            xn = torch.where(mneg, xn / self.mask_prob, 0.0)
+        return xn
+
     def batch(self, index: torch.Tensor, split: str) -> dict[str, torch.Tensor]:
-        """As the base class, then turns the per-anchor negatives into the configured pool."""
+        """As the base class, then turns the per-anchor negatives into the configured pool.
+
+        On several devices a shared pool spans the global batch: ``x_neg`` stays ``[B, r, d1]`` and
+        ``neg_pool_size`` tells the model to pool after gathering (see the module docstring).
+        """
         out = dict(super().batch(index, split))
-        if "x_neg" in out and self.negatives == "shared":
-            out["x_neg"] = out["x_neg"].reshape(-1, self.d1)[: self.num_negatives]
+        if "x_neg" not in out:
+            return out
+        r = self.negatives_per_anchor()
+        if out["x_neg"].shape[1] != r:  # a fixed split cached before the trainer (device count) was attached
+            out["x_neg"] = self._negatives(index, split, r)
+        if self.negatives == "shared":
+            if self._world()[2] > 1:
+                out["neg_pool_size"] = self.num_negatives
+            else:
+                out["x_neg"] = pool_negatives(out["x_neg"], index, self.num_negatives)
         return out
 
     # ------------------------------------------------------------------------------------------

@@ -35,14 +35,14 @@ Example:
 """
 from __future__ import annotations
 
-import math
 from typing import Literal
 
 import torch
 
 from featlearn.datamodules import rng
-from featlearn.datamodules.base import SyntheticDataModule
+from featlearn.datamodules.base import GEN_BYTES, SyntheticDataModule
 from featlearn.errors import ConfigError
+from featlearn.validation import NonNegativeFloat, PositiveFloat, PositiveInt, check_args, int_at_least
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -88,47 +88,52 @@ class TwoFeaturePatchDataModule(SyntheticDataModule):
 
     def __init__(
         self,
-        dim: int = 100,
-        num_patches: int = 32,
-        num_feature_patches: int = 8,
-        alphas: list[float] | tuple[float, ...] = (4.0, 2.7),
-        noise_std: float = 1.0,
-        feature_probs: list[float] | None = None,
+        dim: PositiveInt = 100,
+        num_patches: int_at_least(2) = 32,
+        num_feature_patches: PositiveInt = 8,
+        alphas: list[PositiveFloat] | tuple[PositiveFloat, ...] = (4.0, 2.7),
+        noise_std: PositiveFloat = 1.0,
+        feature_probs: list[NonNegativeFloat] | None = None,
         co_occur: bool = False,
         random_basis: bool = False,
         dtype: Literal["float32", "float64"] = "float64",
         seed: int = 0,
         mode: Literal["fixed", "online"] = "online",
-        batch_size: int | None = 4096,
-        num_train: int = 4096,
-        num_val: int = 8192,
-        num_test: int = 8192,
-        steps_per_epoch: int = 100,
+        batch_size: PositiveInt | None = 4096,
+        num_train: PositiveInt = 4096,
+        num_val: PositiveInt = 8192,
+        num_test: PositiveInt = 8192,
+        steps_per_epoch: PositiveInt = 100,
         shuffle: bool = True,
     ):
-        alphas = [float(a) for a in alphas] if isinstance(alphas, (list, tuple)) else alphas
-        if not isinstance(alphas, list) or len(alphas) < 2 or any(not math.isfinite(a) or a <= 0 for a in alphas):
+        check_args("data", TwoFeaturePatchDataModule.__init__, locals())
+        alphas = [float(a) for a in alphas]
+        if len(alphas) < 2:
             raise ConfigError("data.alphas", "a list of >= 2 positive finite magnitudes", alphas)
         k = len(alphas)
-        if not isinstance(dim, int) or dim < k + 1:
+        if dim < k + 1:
             raise ConfigError("data.dim", f"an integer >= number of features + 1 = {k + 1}", dim)
-        if not isinstance(num_patches, int) or num_patches < 2 or num_patches % 2:
+        if num_patches % 2:
             raise ConfigError("data.num_patches", "an even integer >= 2", num_patches)
-        if not isinstance(num_feature_patches, int) or not 1 <= num_feature_patches <= num_patches:
+        if num_feature_patches > num_patches:
             raise ConfigError("data.num_feature_patches", f"an integer in [1, {num_patches}]",
                               num_feature_patches)
-        if not (isinstance(noise_std, (int, float)) and math.isfinite(noise_std) and noise_std > 0):
-            raise ConfigError("data.noise_std", "a finite number > 0", noise_std)
         if feature_probs is not None:
             probs = [float(q) for q in feature_probs]
-            if len(probs) != k or any(q < 0 for q in probs) or abs(sum(probs) - 1) > 1e-9:
+            if len(probs) != k or abs(sum(probs) - 1) > 1e-9:
                 raise ConfigError("data.feature_probs", f"{k} non-negative numbers summing to 1",
                                   feature_probs)
             feature_probs = probs
         if co_occur and (k != 2 or num_feature_patches < 2):
             raise ConfigError("data.co_occur", "False unless there are 2 features and P0 >= 2", co_occur)
-        if dtype not in _DTYPES:
-            raise ConfigError("data.dtype", f"one of {tuple(_DTYPES)}", dtype)
+        item = _DTYPES[dtype].itemsize
+        # x and the two patch masks per sample; drawing the noise also holds the projected copy and x
+        self.check_memory(TwoFeaturePatchDataModule.__init__,
+                          {"dim": dim, "num_patches": num_patches, "batch_size": batch_size or 0,
+                           "num_train": num_train, "num_val": num_val, "num_test": num_test}, mode, batch_size,
+                          num_train, num_val, num_test, train_values=num_patches * (dim + 2),
+                          eval_values=num_patches * (dim + 2), out_bytes=item, consts=32 * k * dim,
+                          gen_bytes=GEN_BYTES + 3 * item)
         super().__init__(seed=seed, mode=mode, batch_size=batch_size, num_train=num_train,
                          num_val=num_val, num_test=num_test, steps_per_epoch=steps_per_epoch,
                          shuffle=shuffle)

@@ -1,6 +1,8 @@
 """Run configs through the featlearn CLI from Python and write result tables (shared by all experiments)."""
+import argparse
 import json
 import logging
+import shutil
 import warnings
 from pathlib import Path
 
@@ -11,6 +13,40 @@ from featlearn.datamodules.base import SyntheticDataModule
 from featlearn.lightning_modules.base import FeatureLearningModule
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+def add_output_arguments(parser: argparse.ArgumentParser, default: str) -> None:
+    """``--out DIR`` and ``--overwrite``: the options every experiment shares for where results go."""
+    parser.add_argument("--out", type=Path, default=Path(default),
+                        help=f"output folder (default {default}); if it holds a previous run, a new folder "
+                             f"DIR-2, DIR-3, ... is used unless --overwrite is given")
+    parser.add_argument("--overwrite", action="store_true", help="delete a previous run in --out first")
+
+
+def output_dir(out: Path, overwrite: bool = False) -> Path:
+    """The folder a run writes to: ``out`` if it is new or empty (or ``overwrite``: emptied first),
+    else the first free ``out-2``, ``out-3``, ... so that a rerun never mixes with or loses a previous run.
+
+    Example:
+        >>> import tempfile; root = Path(tempfile.mkdtemp())
+        >>> (output_dir(root / "a") / "table.md").touch()
+        >>> output_dir(root / "a").name  # doctest: +ELLIPSIS
+        /... holds a previous run: writing to /.../a-2 (--overwrite replaces /.../a)
+        'a-2'
+        >>> output_dir(root / "a", overwrite=True).name
+        'a'
+    """
+    out = Path(out)
+    if overwrite and out.exists():
+        shutil.rmtree(out)
+    chosen, n = out, 1
+    while chosen.exists() and any(chosen.iterdir()):
+        n += 1
+        chosen = out.with_name(f"{out.name}-{n}")
+    if chosen != out:
+        print(f"{out} holds a previous run: writing to {chosen} (--overwrite replaces {out})")
+    chosen.mkdir(parents=True, exist_ok=True)
+    return chosen
 
 
 def quiet_lightning() -> None:

@@ -33,7 +33,8 @@ from pathlib import Path
 
 import torch
 
-from featlearn.experiments.common import CONFIGS, build, markdown_table, quiet_lightning, write_results
+from featlearn.experiments.common import (CONFIGS, add_output_arguments, build, markdown_table, output_dir,
+                                         quiet_lightning, write_results)
 
 SETTINGS = sorted(p.stem for p in (CONFIGS / "contrastive").glob("*.yaml"))
 DEFAULT_SETTINGS = ("random_mask", "no_augmentation", "coordinate_control")
@@ -100,7 +101,7 @@ def format_table(results: dict[str, dict]) -> str:
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default="runs/contrastive", help="output directory")
+    add_output_arguments(parser, "runs/contrastive")
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (0 = leave torch's default)")
@@ -116,8 +117,7 @@ def main(argv=None) -> dict:
         parser.error(f"--steps: must be a positive integer, got {args.steps}")
     if args.threads > 0:
         torch.set_num_threads(args.threads)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = output_dir(args.out, args.overwrite)
     t0 = time.time()
     results = {name: run_setting(name, out, steps=args.steps, seed=args.seed) for name in names}
     total = time.time() - t0

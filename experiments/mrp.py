@@ -13,7 +13,8 @@ import statistics
 import time
 from pathlib import Path
 
-from featlearn.experiments.common import build, markdown_table, quiet_lightning, scalars, write_results
+from featlearn.experiments.common import (add_output_arguments, build, markdown_table, output_dir, quiet_lightning,
+                                         scalars, write_results)
 
 COLUMNS = ["features captured", "all captured by step", "classes with both features", "pure / same-class / cross-class kernels",
            "test acc multi-view", "test acc single-view", "test acc all", "steps", "seconds"]
@@ -46,8 +47,7 @@ def run(out: Path, seed: int = 0) -> dict:
     pre = build("mrp/teacher_student.yaml", out, "pretrain", "--seed_everything", str(seed),
                 "--data.init_args.seed", str(seed))
     pre.trainer.fit(pre.model, pre.datamodule)
-    ckpt = (out / "pretrain" / "pretrained.ckpt").resolve()
-    pre.trainer.save_checkpoint(ckpt)
+    ckpt = Path(pre.trainer.checkpoint_callback.last_model_path).resolve()  # the final state of pretraining
     pretrain = {**_encoder_row(scalars(pre.trainer.callback_metrics), "pretrain"),
                 "steps": pre.trainer.global_step, "seconds": round(time.time() - start, 1)}
     rows = {
@@ -78,15 +78,16 @@ def run_seeds(out: Path, seeds: list[int]) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path("runs/mrp"), help="logs, checkpoints and tables")
+    add_output_arguments(parser, "runs/mrp")
     parser.add_argument("--seed", type=int, nargs="+", default=[0],
                         help="one seed (default 0), or several: then per-seed runs and a table of means")
     args = parser.parse_args()
     quiet_lightning()
+    out = output_dir(args.out, args.overwrite)
     if len(args.seed) == 1:
-        run(args.out, args.seed[0])
+        run(out, args.seed[0])
     else:
-        run_seeds(args.out, args.seed)
+        run_seeds(out, args.seed)
 
 
 if __name__ == "__main__":

@@ -19,13 +19,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import statistics
 import time
 
 import torch
 
 from featlearn.datamodules.two_feature_patches import TwoFeaturePatchDataModule
+from featlearn.experiments.common import add_output_arguments, output_dir
 from featlearn.lightning_modules.noncontrastive import (NonContrastiveModule, PhaseTracker, feature_outcome,
                                                         representation_correlation, simulate_population)
 
@@ -133,7 +133,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default="runs/noncontrastive")
+    add_output_arguments(ap, "runs/noncontrastive")
     ap.add_argument("--seeds", type=int, default=16)
     ap.add_argument("--steps", type=int, default=400_000)
     ap.add_argument("--lr", type=float, default=0.05)
@@ -143,6 +143,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--threads", type=int, default=1, help="torch threads (tiny tensors: 1 is fastest)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    out_dir = output_dir(args.out, args.overwrite)
     t0 = time.time()
     dm = TwoFeaturePatchDataModule(**DEMO_A, batch_size=1)
     opt = dm.constants()["OPT"]
@@ -164,12 +165,11 @@ def main(argv=None) -> dict:
             "threads": args.threads, "record_every": args.record_every}
     md = markdown(rows, meta)
     print(md)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "noncontrastive.json"), "w") as fh:
+    with open(out_dir / "noncontrastive.json", "w") as fh:
         json.dump({"meta": meta, "rows": rows,
                    "trajectory_E21_seed0": {"steps": out["steps"].tolist(),
                                             "head": out["E"][:, 0, 1, 0].tolist()}}, fh, indent=1)
-    with open(os.path.join(args.out, "noncontrastive.md"), "w") as fh:
+    with open(out_dir / "noncontrastive.md", "w") as fh:
         fh.write(md)
     return {"meta": meta, "rows": rows}
 

@@ -6,40 +6,194 @@ Usage:
     lightning validate --config ... --ckpt_path path/to/last.ckpt
 
 Every run gets a :class:`~featlearn.callbacks.DivergenceGuard`, a
-:class:`~featlearn.callbacks.HeatmapLogger` (``--heatmap.every_n_steps``) and a ModelCheckpoint that
-keeps ``last.ckpt`` (``--checkpoint.*``); TensorBoard is the default logger. A config value outside
+:class:`~featlearn.callbacks.HeatmapLogger` (``--heatmap.every_n_steps``) and a
+:class:`~featlearn.callbacks.FinalCheckpoint` that keeps ``last.ckpt``, the final state (``--checkpoint.*``); TensorBoard is the default logger. A config value outside
 what a method allows is refused before training with a message naming the field.
 """
+import ast
+import math
+import re
 import sys
+from typing import Literal
 
-from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.cli import LightningCLI
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
-from featlearn.callbacks import DivergenceGuard, HeatmapLogger
+from featlearn.callbacks import DivergenceGuard, FinalCheckpoint, HeatmapLogger
+from featlearn.checkpoints import check_fits, class_path, read_checkpoint
 from featlearn.datamodules.base import SyntheticDataModule
 from featlearn.errors import ConfigError, DivergenceError
 from featlearn.lightning_modules.base import FeatureLearningModule
+from featlearn.validation import NonNegativeInt, PositiveInt, accepts, describe, int_at_least, number_type
+
+GrowthFactor = number_type("GrowthFactor", float, 1, math.inf, True, True, "a finite factor > 1")
+
+# Trainer and callback fields whose types (from Lightning) admit values that fail only once training runs
+# (a ZeroDivisionError at the first logged step) or deep inside the Trainer; checked after parsing.
+RUN_FIELDS = {
+    "trainer.max_steps": (int_at_least(-1), "-1: no limit"),
+    "trainer.min_steps": (NonNegativeInt | None, ""),
+    "trainer.max_epochs": (int_at_least(-1) | None, "-1: no limit"),
+    "trainer.min_epochs": (NonNegativeInt | None, ""),
+    "trainer.log_every_n_steps": (PositiveInt | None, ""),
+    "trainer.check_val_every_n_epoch": (PositiveInt | None, ""),
+    "trainer.num_nodes": (PositiveInt, ""),
+    "trainer.num_sanity_val_steps": (int_at_least(-1) | None, ""),
+    "trainer.accumulate_grad_batches": (Literal[1], "sample streams follow the optimizer step; raise "
+                                                    "data.batch_size instead"),
+    "checkpoint.every_n_train_steps": (NonNegativeInt | None, "0 or null: no periodic saves"),
+    "checkpoint.every_n_epochs": (NonNegativeInt | None, ""),
+    "checkpoint.save_top_k": (int_at_least(-1), ""),
+    "heatmap.every_n_steps": (PositiveInt, ""),
+    "divergence.window": (PositiveInt, ""),
+    "divergence.loss_growth": (GrowthFactor | None, ""),
+    "divergence.weight_growth": (GrowthFactor | None, ""),
+}
+# names Lightning resolves itself from the run's checkpoint callback
+_CKPT_ALIASES = ("last", "best", "hpc")
 
 
 class FeatlearnCLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
         parser.add_lightning_class_args(DivergenceGuard, "divergence")
         parser.add_lightning_class_args(HeatmapLogger, "heatmap")
-        parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
+        parser.add_lightning_class_args(FinalCheckpoint, "checkpoint")
         parser.set_defaults({"checkpoint.save_last": True, "checkpoint.every_n_train_steps": 100,
                              "checkpoint.save_top_k": 0, "checkpoint.monitor": None})
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("parser_class", _ShortErrorParser)
+        super().__init__(*args, **kwargs)
+
+    def _parse_ckpt_path(self) -> None:
+        """Keep the config as given. LightningCLI would overwrite the model's arguments with the
+        hyperparameters stored in ``--ckpt_path``, so resuming with ``--model.init_args.lr SMALLER`` after
+        a blow-up would silently train at the old learning rate again.
+
+        Instead the file is checked here, before anything is built: it must exist, be readable and come
+        from the config's method; its sizes are compared with the built model in
+        :meth:`after_instantiate_classes`."""
+        self._ckpt = None
+        subcommand = self.config.get("subcommand")
+        path = self.config[subcommand].get("ckpt_path") if subcommand else None
+        if not path or str(path) in _CKPT_ALIASES or str(path).startswith("registry"):
+            return
+        ckpt = read_checkpoint("ckpt_path", path)
+        wanted, found = self.config[subcommand].get("model.class_path"), class_path(ckpt)
+        if wanted and found and found != wanted:
+            raise ConfigError("ckpt_path", f"a checkpoint of the config's {wanted.rsplit('.', 1)[-1]} (this file "
+                                           f"was written by {found.rsplit('.', 1)[-1]})", str(path))
+        self._ckpt = (path, {"state_dict": ckpt["state_dict"]})
+
+    def before_instantiate_classes(self) -> None:
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        for field, (allowed, note) in RUN_FIELDS.items():
+            if field in config and not accepts(allowed, config[field]):
+                raise ConfigError(field, describe(allowed) + (f" ({note})" if note else ""), config[field])
+        if "trainer.devices" in config:
+            _check_devices(config["trainer.devices"])
 
     def instantiate_classes(self) -> None:
         try:
             super().instantiate_classes()
-        except ValueError as err:  # jsonargparse wraps a ConfigError raised by a class in its own ValueError
-            self.parser.error(_config_message(err))
+        except (ValueError, TypeError) as err:  # jsonargparse wraps what a class raises in its own error
+            config_error = _config_error(err)
+            if config_error is None:
+                raise
+            raise config_error from None
+        except MisconfigurationException as err:  # the Trainer's own checks, for fields not in RUN_FIELDS
+            raise ConfigError("trainer", "a setting the Trainer accepts", str(err)) from None
+
+    def after_instantiate_classes(self) -> None:
+        """Build the parameters now, not in ``setup`` once fitting has started, so that a refusal that
+        needs the data's sizes (a checkpoint of another size, a pretrained encoder of another width)
+        comes before any work; ``attach`` builds once, so ``setup`` then finds the model built."""
+        if self.subcommand is None or self.datamodule is None:
+            return
+        if hasattr(self.datamodule, "check_devices"):
+            self.datamodule.check_devices(self.trainer.world_size)
+        self.model.attach(self.datamodule)
+        if self._ckpt is not None:
+            path, ckpt = self._ckpt
+            self._ckpt = None
+            check_fits("ckpt_path", path, ckpt, self.model)
 
 
-def _config_message(err: ValueError) -> str:
-    """The ConfigError lines (``field: must be ...``) of a possibly wrapped error, else the whole text."""
-    lines = [line.strip(" -") for line in str(err).splitlines() if ": must be " in line]
-    return "\n".join(dict.fromkeys(lines)) or str(err)
+class _ShortErrorParser(LightningArgumentParser):
+    """Print a parse error as one line, ``error: <field>: <what is wrong>``, without the usage text."""
+
+    def error(self, message: str, ex: Exception | None = None):
+        if not self.exit_on_error:  # an inner parser: its caller reports the error
+            return super().error(message, ex)
+        _refuse(short_message(message))
+
+
+def _refuse(line: str):
+    sys.stderr.write(f"error: {line}\n")
+    raise SystemExit(2)
+
+
+def short_message(message: str) -> str:
+    """``field: reason`` from a jsonargparse error, which nests one ``Parser key "name":`` block per class
+    level (``model`` > ``m``) around the reason (``Not of type IntAtLeast1: must be ..., got 0``)."""
+    keys, reason = [], None
+    for raw in message.splitlines():
+        line = raw.strip().lstrip("-").strip()
+        key = re.match(r'Parser key "([^"]+)":\s*(.*)$', line)
+        if key:
+            keys.append(key.group(1))
+            line = key.group(2)
+        if not line or line.startswith(("Does not validate against", "Subtypes:", "Errors:", "Problem with given",
+                                        "Given value", "Expected a <class 'NoneType'>")):
+            continue
+        reason = line
+        break
+    if not keys:
+        return message.strip().splitlines()[0] if message.strip() else "invalid arguments"
+    field = ".".join(k for k in keys if k != "init_args").replace(".init_args.", ".")
+    reason = reason or "invalid value"
+    reason = re.sub(r"^Not of type \w+: ", "", reason)
+    literal = re.match(r"Expected a typing\.Literal\[(.*)\]\. Got value: (.*)$", reason)
+    if literal:
+        try:
+            allowed = describe(Literal[ast.literal_eval(f"({literal.group(1)},)")])
+        except (ValueError, SyntaxError):
+            allowed = f"one of ({literal.group(1)})"
+        reason = f"must be {allowed}, got {literal.group(2)!r}"
+    plain = re.match(r"Expected a <class '(\w+)'>\. Got value: (.*)$", reason)
+    if plain:
+        reason = f"must be of type {plain.group(1)}, got {plain.group(2)!r}"
+    return f"{field}: {reason}"
+
+
+def _check_devices(value) -> None:
+    """``trainer.devices``: a count >= 1, -1 (every device), 'auto', or device ids (a list, or '0,1')."""
+    if isinstance(value, str) and re.fullmatch(r"\s*-?\d+\s*", value):
+        value = int(value)
+    ids = value if isinstance(value, (list, tuple)) else None
+    if isinstance(value, str) and "," in value:
+        ids = [int(p) if p.strip().isdigit() else -1 for p in value.split(",") if p.strip()]
+    ok = (value == "auto" or value == -1 or (isinstance(value, int) and not isinstance(value, bool) and value >= 1)
+          or (ids is not None and len(ids) > 0 and all(isinstance(i, int) and i >= 0 for i in ids)))
+    if not ok:
+        raise ConfigError("trainer.devices", "a device count >= 1, -1 (all), 'auto' or a list of device ids",
+                          value)
+
+
+def _config_error(err: Exception) -> ConfigError | None:
+    """The ConfigError behind an error raised while instantiating (jsonargparse re-raises what a class
+    raises as its own ValueError, sometimes keeping only the text)."""
+    seen = err
+    while seen is not None:
+        if isinstance(seen, ConfigError):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    for line in str(err).splitlines():
+        field, sep, rest = line.strip(" -").partition(": must be ")
+        if sep and re.fullmatch(r"[\w.]+", field):
+            allowed, _, got = rest.rpartition(", got ")
+            return ConfigError(field, allowed or rest, got)
+    return None
 
 
 def main(args=None) -> None:
@@ -48,7 +202,7 @@ def main(args=None) -> None:
                      subclass_mode_data=True, seed_everything_default=0, args=args,
                      auto_configure_optimizers=False)
     except ConfigError as err:
-        sys.exit(f"error: {err}")
+        _refuse(str(err))
     except DivergenceError as err:
         sys.exit(f"diverged: {err}")
 

@@ -5,7 +5,9 @@ class ConfigError(ValueError):
     """A configuration value is outside what the method allows.
 
     The message always names the field, the allowed values and what was given, e.g.
-    ``data.keep_prob: must be in (0, 1), got 1.5``.
+    ``data.keep_prob: must be in (0, 1), got 1.5``. The range of a single field is declared by its type
+    annotation and raised by :func:`featlearn.validation.check_args`; rules that involve several fields
+    raise it directly.
 
     Example:
         >>> raise ConfigError("keep_prob", "in (0, 1)", 1.5)

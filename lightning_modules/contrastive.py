@@ -13,8 +13,8 @@ Bias (spec 3.3): ``bias_mode="schedule"`` (default) keeps ``b = 0`` until T1 (fi
 ``min_i rho_i >= 1/2``), resets ``b_i = beta0 sqrt(2 log d / d) ||w_i||`` and then grows it by
 ``max(c_b eta/d, ||w_i^{t+1}||/||w_i^t|| - 1)`` per step, capped at ``kappa_b ||w_i||``;
 ``"zero"`` keeps ``b = 0`` (linear network; the no-augmentation baseline); ``"learned"`` trains ``b`` by
-SGD (ablation of footnote 4; ``clamp_bias_nonneg`` optional). The bias update runs in
-``on_train_batch_end``, i.e. exactly after each optimizer step.
+SGD (ablation of footnote 4; ``clamp_bias_nonneg`` optional). The bias update is part of
+each optimisation step (``finish_step``), so checkpoints never hold a half-finished step.
 
 Losses are plain functions in this file: :func:`infonce_stopgrad` (streams the negatives in chunks with
 an online logsumexp, so at most one ``B x chunk`` similarity block exists; its backward returns the
@@ -36,9 +36,11 @@ import math
 from typing import Literal
 
 import torch
+import torch.distributed as dist
 
+from featlearn.datamodules.sparse_coding import pool_negatives
 from featlearn.errors import ConfigError
-from featlearn.kernels.backend import check_backend
+from featlearn.validation import NonNegativeFloat, PositiveFloat, PositiveInt, check_args, check_memory, int_at_least
 from featlearn.kernels.soft_threshold import soft_threshold_layer
 from featlearn.lightning_modules.base import FeatureLearningModule
 
@@ -266,55 +268,32 @@ class ContrastiveModule(FeatureLearningModule):
         seed: seed of the weight initialisation (independent of the data seed).
     """
 
+    # normal runs: weight norm up to 17x over 20 steps (stage II from a tiny init), |loss| up to 1.9x
+    blowup_factors = {"loss": 100.0, "weight_norm": 1000.0}
+
     def __init__(
         self,
-        width: int | None = None,
-        width_mult: float = 4.0,
-        lr: float = 2.0,
-        weight_decay: float | None = None,
-        temperature: float | None = None,
-        init_scale: float | None = None,
+        width: PositiveInt | None = None,
+        width_mult: PositiveFloat = 4.0,
+        lr: PositiveFloat = 2.0,
+        weight_decay: NonNegativeFloat | None = None,
+        temperature: PositiveFloat | None = None,
+        init_scale: PositiveFloat | None = None,
         bias_mode: Literal["schedule", "zero", "learned"] = "schedule",
-        bias_reset_mult: float = 1.0,
-        bias_cap_ratio: float | None = None,
-        bias_min_rate_mult: float = 1.0,
+        bias_reset_mult: NonNegativeFloat = 1.0,
+        bias_cap_ratio: PositiveFloat | None = None,
+        bias_min_rate_mult: NonNegativeFloat = 1.0,
         clamp_bias_nonneg: bool = False,
-        loss_chunk_size: int | None = None,
+        loss_chunk_size: PositiveInt | None = None,
         backend: Literal["auto", "torch", "triton"] = "auto",
         allow_tf32: bool = False,
-        metrics_every_n_steps: int = 25,
-        probe_ridge: float = 1e-4,
-        probe_max_samples: int = 8000,
+        metrics_every_n_steps: PositiveInt = 25,
+        probe_ridge: NonNegativeFloat = 1e-4,
+        probe_max_samples: int_at_least(2) = 8000,  # the probes standardise features over their samples
         seed: int = 0,
     ):
+        check_args("model", ContrastiveModule.__init__, locals())
         super().__init__()
-        if width is not None and width < 1:
-            raise ConfigError("model.width", "a positive integer or null", width)
-        if width_mult <= 0:
-            raise ConfigError("model.width_mult", "> 0", width_mult)
-        if lr <= 0:
-            raise ConfigError("model.lr", "> 0", lr)
-        if weight_decay is not None and weight_decay < 0:
-            raise ConfigError("model.weight_decay", ">= 0 or null", weight_decay)
-        if temperature is not None and temperature <= 0:
-            raise ConfigError("model.temperature", "> 0 or null", temperature)
-        if init_scale is not None and init_scale <= 0:
-            raise ConfigError("model.init_scale", "> 0 or null", init_scale)
-        if bias_mode not in ("schedule", "zero", "learned"):
-            raise ConfigError("model.bias_mode", "'schedule', 'zero' or 'learned'", bias_mode)
-        if bias_reset_mult < 0:
-            raise ConfigError("model.bias_reset_mult", ">= 0", bias_reset_mult)
-        if bias_cap_ratio is not None and bias_cap_ratio <= 0:
-            raise ConfigError("model.bias_cap_ratio", "> 0 or null", bias_cap_ratio)
-        if bias_min_rate_mult < 0:
-            raise ConfigError("model.bias_min_rate_mult", ">= 0", bias_min_rate_mult)
-        if loss_chunk_size is not None and loss_chunk_size < 1:
-            raise ConfigError("model.loss_chunk_size", "a positive integer or null", loss_chunk_size)
-        check_backend(backend, "model.backend")
-        if metrics_every_n_steps < 1:
-            raise ConfigError("model.metrics_every_n_steps", "a positive integer", metrics_every_n_steps)
-        if probe_ridge < 0:
-            raise ConfigError("model.probe_ridge", ">= 0", probe_ridge)
         self.save_hyperparameters()
         self.hp = self.hparams
         self.T1: int | None = None
@@ -325,6 +304,14 @@ class ContrastiveModule(FeatureLearningModule):
         hp = self.hp
         self.d, self.d1 = dm.d, dm.d1
         self.m = hp.width if hp.width is not None else max(1, int(round(hp.width_mult * dm.d)))
+        # weights, gradient and initial copy; per step the anchors', positives' and negatives' activations
+        # (pre-activation, output, gradient)
+        anchors = dm.batch_size or dm.sizes["train"]
+        keys = 2 * anchors + (anchors * dm.num_negatives if dm.negatives == "per_anchor" else dm.num_negatives)
+        check_memory("model", ContrastiveModule.__init__,
+                     {"width": hp.width} if hp.width is not None else {"width_mult": hp.width_mult},
+                     4 * self.m * (3 * self.d1 + 3 * keys),
+                     f"{self.m} neurons of dimension {self.d1} and their activations on {keys} inputs")
         self.lam = hp.weight_decay if hp.weight_decay is not None else dm.d ** -1.75
         self.tau = hp.temperature if hp.temperature is not None else math.log(dm.d)
         sigma0 = hp.init_scale if hp.init_scale is not None else 1.0 / (dm.d * math.sqrt(dm.d1))
@@ -362,6 +349,8 @@ class ContrastiveModule(FeatureLearningModule):
         with torch.no_grad():
             hq = ha.detach() if xq is xa or xq.data_ptr() == xa.data_ptr() else self(xq)
             hn = self(xn)
+            if "neg_pool_size" in batch:
+                hn = self._global_pool(hn, batch["index"], int(batch["neg_pool_size"]))
         loss, p_pos = infonce_stopgrad(ha, hq, hn, self.tau, self.hp.loss_chunk_size)
         n_b = hn.shape[-2] + 1
         stats = {
@@ -371,6 +360,16 @@ class ContrastiveModule(FeatureLearningModule):
             "uniform": self.tau * math.log(n_b),
         }
         return loss.mean(), stats
+
+    def _global_pool(self, h_owned: torch.Tensor, index: torch.Tensor, size: int) -> torch.Tensor:
+        """The shared pool of the global batch ``[size, m]`` from every device's own negatives ``[B, r, m]``.
+
+        Representations (``m`` wide) are gathered rather than inputs (``d1`` wide), so each device
+        encodes only its own ``B r ~ N / W`` negatives. They are gathered without gradient: the
+        stop-gradient loss differentiates the anchor only. DDP then averages the per-device means over
+        ``B`` anchors, which is the global mean because every device holds the same ``B``.
+        """
+        return pool_negatives(_all_gather_cat(h_owned), _all_gather_cat(index), size)
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         self._prev_norm = self.w.detach().norm(dim=1)
@@ -386,13 +385,8 @@ class ContrastiveModule(FeatureLearningModule):
         return loss
 
     # ------------------------------------------------------------------------------------------
-    @torch.no_grad()
-    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
-        self.after_step(self.global_step)
-
-    @torch.no_grad()
-    def after_step(self, step: int) -> None:
-        """Stage detection and bias update; call right after each optimizer step (``step`` = steps done)."""
+    def finish_step(self, step: int) -> None:
+        """Stage detection and bias update: part of each optimisation step."""
         hp = self.hp
         w = self.w.detach()
         norm = w.norm(dim=1)
@@ -529,6 +523,17 @@ class ContrastiveModule(FeatureLearningModule):
         c = self.correlations()
         order = torch.argsort(c.abs().argmax(1) * 2.0 - c.abs().amax(1), stable=True)
         return {"correlation": c[order]}
+
+
+def _all_gather_cat(t: torch.Tensor) -> torch.Tensor:
+    """Every rank's ``t`` concatenated along dim 0 in rank order, without autograd.
+
+    Plain ``torch.distributed.all_gather`` (gloo and NCCL alike): Lightning's ``all_gather`` goes through
+    the deprecated differentiable collective even when no gradient is wanted.
+    """
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, t.contiguous())
+    return torch.cat(parts)
 
 
 def _cosines(f_x, f_sig, f_xi) -> dict[str, float]:

@@ -9,7 +9,7 @@ form over masks ``1/2 sum_r (H^_r - H_r)^2 + 1/2 (1/theta - 1) sum_{r,p} f(<w_r,
 
 Stabilisation (spec 8, F1/F2): with ``tau > 1`` the literal dynamics are not the gradient of a bounded
 function and blow up once a kernel is active on two co-occurring features. ``norm_cap`` (default 1)
-projects every kernel back onto ``||w_r|| <= norm_cap`` after each step (projected GD, a labelled
+projects every kernel back onto ``||w_r|| <= norm_cap`` as part of each step (projected GD, a labelled
 deviation from the paper); ``norm_cap: null`` runs the literal dynamics (they diverge; the
 DivergenceGuard stops them). ``stop_after_capture`` ends pretraining that many steps after every
 feature is captured (spec A11).
@@ -26,8 +26,11 @@ from typing import Literal
 import torch
 
 from featlearn.datamodules import rng
-from featlearn.errors import ConfigError
-from featlearn.lightning_modules.multiview_encoder import MultiViewEncoder
+from featlearn.lightning_modules.multiview_encoder import Backend, MultiViewEncoder
+from featlearn.validation import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, check_args, int_at_least, \
+    number_type
+
+KeepProbability = number_type("KeepProbability", float, 0, 1, True, True, "a keep probability in (0, 1)")
 
 
 def teacher_student_expected_loss(student: torch.Tensor, teacher: torch.Tensor, squares: torch.Tensor,
@@ -47,14 +50,6 @@ class _MaskedPretraining(MultiViewEncoder):
     def __init__(self, theta: float, loss: str, norm_cap: float | None, stop_after_capture: int | None,
                  mask_seed: int, **encoder):
         super().__init__(**encoder)
-        if not 0 < theta < 1:
-            raise ConfigError("model.theta", "a keep probability in (0, 1)", theta)
-        if loss not in ("expected", "mc"):
-            raise ConfigError("model.loss", "'expected' or 'mc'", loss)
-        if norm_cap is not None and norm_cap <= 0:
-            raise ConfigError("model.norm_cap", "> 0 or null", norm_cap)
-        if stop_after_capture is not None and stop_after_capture < 0:
-            raise ConfigError("model.stop_after_capture", ">= 0 or null", stop_after_capture)
         self.theta, self.loss_kind, self.norm_cap = theta, loss, norm_cap
         self.stop_after_capture, self.mask_seed = stop_after_capture, mask_seed
 
@@ -67,15 +62,14 @@ class _MaskedPretraining(MultiViewEncoder):
         self.log(f"pretrain/loss_{self.loss_kind}", loss, prog_bar=True)
         return loss
 
-    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+    def finish_step(self, step: int) -> None:
         if self.norm_cap is not None:
-            with torch.no_grad():
-                norms = self.weight.norm(dim=1, keepdim=True)
-                self.weight.mul_((self.norm_cap / norms).clamp(max=1.0))
-        self.log_capture("pretrain")
+            norms = self.weight.norm(dim=1, keepdim=True)
+            self.weight.mul_((self.norm_cap / norms).clamp(max=1.0))
+        self.log_capture("pretrain", step)
         if self.stop_after_capture is not None and bool((self.first_capture_step >= 0).all()):
             # derived from the checkpointed buffer, so a resumed run stops at the same step
-            if self.global_step - int(self.first_capture_step.max()) >= self.stop_after_capture:
+            if step - int(self.first_capture_step.max()) >= self.stop_after_capture:
                 self.trainer.should_stop = True
 
     def configure_optimizers(self):
@@ -95,16 +89,14 @@ class TeacherStudentMRP(_MaskedPretraining):
         m, q, rho, sigma0, lr, capture_threshold, backend: see :class:`MultiViewEncoder`.
     """
 
-    def __init__(self, theta: float = 0.5, loss: Literal["expected", "mc"] = "expected", c_tau: float = 0.0,
-                 norm_cap: float | None = 1.0, stop_after_capture: int | None = 200, mask_seed: int = 0,
-                 m: int = 3, q: int = 3, rho: float = 0.25, sigma0: float = 0.02, lr: float = 5.0,
-                 capture_threshold: float | None = None, backend: str = "auto"):
+    def __init__(self, theta: KeepProbability = 0.5, loss: Literal["expected", "mc"] = "expected",
+                 c_tau: NonNegativeFloat = 0.0, norm_cap: PositiveFloat | None = 1.0,
+                 stop_after_capture: NonNegativeInt | None = 200, mask_seed: int = 0, m: PositiveInt = 3,
+                 q: int_at_least(3) = 3, rho: PositiveFloat = 0.25, sigma0: PositiveFloat = 0.02,
+                 lr: PositiveFloat = 5.0, capture_threshold: PositiveFloat | None = None, backend: Backend = "auto"):
+        check_args("model", TeacherStudentMRP.__init__, locals())  # q >= 3: Assumption C.2
         super().__init__(theta, loss, norm_cap, stop_after_capture, mask_seed, m=m, q=q, rho=rho,
                          sigma0=sigma0, lr=lr, capture_threshold=capture_threshold, backend=backend)
-        if q < 3:
-            raise ConfigError("model.q", "an integer >= 3 for teacher-student MRP (Assumption C.2)", q)
-        if c_tau < 0:
-            raise ConfigError("model.c_tau", ">= 0", c_tau)
         self.c_tau = c_tau
         self.save_hyperparameters()
 
@@ -145,14 +137,14 @@ class MaskedAutoencoderMRP(_MaskedPretraining):
     Args as :class:`TeacherStudentMRP` (no teacher).
     """
 
-    def __init__(self, theta: float = 0.5, loss: Literal["expected", "mc"] = "expected",
-                 norm_cap: float | None = None, stop_after_capture: int | None = 200, mask_seed: int = 0,
-                 m: int = 3, q: int = 4, rho: float = 0.25, sigma0: float = 0.02, lr: float = 5.0,
-                 capture_threshold: float | None = None, backend: str = "auto"):
+    def __init__(self, theta: KeepProbability = 0.5, loss: Literal["expected", "mc"] = "expected",
+                 norm_cap: PositiveFloat | None = None, stop_after_capture: NonNegativeInt | None = 200,
+                 mask_seed: int = 0, m: PositiveInt = 3, q: int_at_least(4) = 4, rho: PositiveFloat = 0.25,
+                 sigma0: PositiveFloat = 0.02, lr: PositiveFloat = 5.0, capture_threshold: PositiveFloat | None = None,
+                 backend: Backend = "auto"):
+        check_args("model", MaskedAutoencoderMRP.__init__, locals())  # q >= 4: Assumption H.1
         super().__init__(theta, loss, norm_cap, stop_after_capture, mask_seed, m=m, q=q, rho=rho,
                          sigma0=sigma0, lr=lr, capture_threshold=capture_threshold, backend=backend)
-        if q < 4:
-            raise ConfigError("model.q", "an integer >= 4 for the MAE variant (Assumption H.1)", q)
         self.save_hyperparameters()
 
     def loss(self, batch) -> torch.Tensor:

@@ -20,15 +20,16 @@ Example:
     >>> model(dm.full("train")["x"]).shape
     torch.Size([16, 4])
 """
-from pathlib import Path
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torchmetrics.classification import MulticlassAccuracy
 
+from featlearn.checkpoints import read_checkpoint
 from featlearn.errors import ConfigError
-from featlearn.lightning_modules.multiview_encoder import MultiViewEncoder
+from featlearn.lightning_modules.multiview_encoder import Backend, MultiViewEncoder
+from featlearn.validation import PositiveFloat, PositiveInt, check_args, int_at_least
 
 VIEWS = ("all", "multi", "single")
 
@@ -58,18 +59,27 @@ class MultiViewClassifier(MultiViewEncoder):
         m, q, rho, sigma0, capture_threshold, backend: see :class:`MultiViewEncoder`.
     """
 
+    # supervised learning at lr 100 grows the weight norm up to 15x over 20 steps early on
+    blowup_factors = {"loss": None, "weight_norm": 1000.0}
+
     def __init__(self, pretrained: str | None = None, head: Literal["linear", "fixed"] = "linear",
-                 lr_head: float = 10.0, freeze_encoder: bool = False, m: int = 3, q: int = 3,
-                 rho: float = 0.25, sigma0: float = 0.02, lr: float = 0.1,
-                 capture_threshold: float | None = None, backend: str = "auto"):
+                 lr_head: PositiveFloat = 10.0, freeze_encoder: bool = False, m: PositiveInt = 3,
+                 q: int_at_least(2) = 3, rho: PositiveFloat = 0.25, sigma0: PositiveFloat = 0.02,
+                 lr: PositiveFloat = 0.1, capture_threshold: PositiveFloat | None = None, backend: Backend = "auto"):
+        check_args("model", MultiViewClassifier.__init__, locals())
         super().__init__(m=m, q=q, rho=rho, sigma0=sigma0, lr=lr, capture_threshold=capture_threshold,
                          backend=backend)
-        if head not in ("linear", "fixed"):
-            raise ConfigError("model.head", "'linear' or 'fixed'", head)
         if head == "fixed" and pretrained is not None:
             raise ConfigError("model.head", "'linear' when fine-tuning from a checkpoint", head)
-        if lr_head <= 0:
-            raise ConfigError("model.lr_head", "> 0", lr_head)
+        self._pretrained_state = None
+        if pretrained is not None:
+            # read now, so a missing, corrupt or foreign file is refused before any work
+            state = read_checkpoint("model.pretrained", pretrained)["state_dict"]
+            if not {"weight", "initial_weight"} <= set(state):
+                raise ConfigError("model.pretrained", "a checkpoint of a pretraining run (TeacherStudentMRP or "
+                                                      f"MaskedAutoencoderMRP; this one holds {', '.join(state)})",
+                                  pretrained)
+            self._pretrained_state = {k: state[k] for k in ("weight", "initial_weight")}
         self.pretrained, self.head_kind, self.lr_head = pretrained, head, lr_head
         self.freeze_encoder = freeze_encoder
         self.save_hyperparameters()
@@ -78,9 +88,7 @@ class MultiViewClassifier(MultiViewEncoder):
     def build(self, dm) -> None:
         super().build(dm)
         if self.pretrained is not None:
-            if not Path(self.pretrained).is_file():
-                raise ConfigError("model.pretrained", "an existing pretraining checkpoint file", self.pretrained)
-            state = torch.load(self.pretrained, map_location="cpu", weights_only=True)["state_dict"]
+            state, self._pretrained_state = self._pretrained_state, None
             if state["weight"].shape != self.weight.shape:
                 raise ConfigError("model.pretrained", f"a checkpoint with kernels of shape {tuple(self.weight.shape)}",
                                   f"{self.pretrained} with {tuple(state['weight'].shape)}")
@@ -106,8 +114,8 @@ class MultiViewClassifier(MultiViewEncoder):
         self.log("train/acc", (logits.argmax(1) == batch["y"]).float().mean())
         return loss
 
-    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
-        self.log_capture("encoder")
+    def finish_step(self, step: int) -> None:
+        self.log_capture("encoder", step)
 
     def _evaluate(self, batch, stage: str) -> None:
         logits, y, single = self(batch["x"]), batch["y"], batch["single_view"]

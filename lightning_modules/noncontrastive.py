@@ -7,7 +7,7 @@ Online branch: cubic patch encoder ``f_j(X) = sum_p <w_j, X_p>^3`` on view 1 (th
 branch: the same encoder on view 2 (``target="shared_sg"``: same W, stop-grad; ``"ema"``: an EMA copy),
 batch-normed. Loss: ``L = 1/(mN) sum_i ||BN(F)_i - BN(G)_i||^2 = 2 - (2/m) sum_j rho_j`` through the fused
 ``featlearn.kernels.bn_cosine_loss``. Optimiser: plain SGD (Algorithm 1), encoder lr ``lr``, head lr
-``head_lr``; W and E are updated from the same point; the diagonal of E is re-asserted after each step.
+``head_lr``; W and E are updated from the same point; the diagonal of E is re-asserted as part of each step.
 
 ``gradient="population"`` replaces the sampled batch by the exact N = infinity loss of spec 5.6 (Gaussian
 noise, closed form in B = W V^T and the noise Gram a = s^2 U U^T), so autograd gives the population
@@ -39,6 +39,8 @@ from featlearn.errors import ConfigError
 from featlearn.kernels.activations import Activation
 from featlearn.kernels.bn_cosine_loss import bn_column_stats, bn_cosine_loss
 from featlearn.lightning_modules.base import FeatureLearningModule
+from featlearn.validation import (NonNegativeFloat, PositiveFloat, PositiveInt, RightOpenUnitInterval, check_args,
+                                  check_memory)
 
 from featlearn.kernels.patch_activation_sum import patch_activation_sum
 
@@ -258,55 +260,35 @@ class NonContrastiveModule(FeatureLearningModule):
         backend: kernel backend for encoder and loss.
     """
 
+    # the loss is bounded (in [0, 4]); normal runs change the weight norm by < 1% over 20 steps
+    blowup_factors = {"loss": None, "weight_norm": 10.0}
+
     def __init__(
         self,
-        width: int = 2,
+        width: PositiveInt = 2,
         head: Literal["offdiag", "none", "full"] = "offdiag",
         target: Literal["shared_sg", "ema"] = "shared_sg",
-        ema_decay: float = 0.99,
-        lr: float = 0.05,
-        head_lr: float | None = None,
+        ema_decay: RightOpenUnitInterval = 0.99,
+        lr: PositiveFloat = 0.05,
+        head_lr: NonNegativeFloat | None = None,
         out_norm: Literal["bn", "l2"] = "bn",
-        eps: float = 0.0,
+        eps: NonNegativeFloat = 0.0,
         stop_grad: bool = True,
         symmetrize: bool = False,
         gradient: Literal["sample", "population"] = "sample",
         init_seed: int | None = None,
-        init_std: float | None = None,
+        init_std: PositiveFloat | None = None,
         lucky_first: bool = True,
-        log_every_n_steps: int = 100,
+        log_every_n_steps: PositiveInt = 100,
         backend: Literal["auto", "torch", "triton"] = "auto",
     ):
+        check_args("model", NonContrastiveModule.__init__, locals())
         super().__init__()
-        if not isinstance(width, int) or width < 1:
-            raise ConfigError("model.width", "a positive integer", width)
-        if head not in HEADS:
-            raise ConfigError("model.head", f"one of {HEADS}", head)
-        if target not in TARGETS:
-            raise ConfigError("model.target", f"one of {TARGETS}", target)
-        if not (isinstance(ema_decay, (int, float)) and 0 <= ema_decay < 1):
-            raise ConfigError("model.ema_decay", "in [0, 1)", ema_decay)
-        if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
-            raise ConfigError("model.lr", "a finite number > 0", lr)
-        if head_lr is not None and not (isinstance(head_lr, (int, float)) and math.isfinite(head_lr) and head_lr >= 0):
-            raise ConfigError("model.head_lr", "null or a finite number >= 0", head_lr)
-        if out_norm not in ("bn", "l2"):
-            raise ConfigError("model.out_norm", "'bn' or 'l2'", out_norm)
-        if not (isinstance(eps, (int, float)) and math.isfinite(eps) and eps >= 0):
-            raise ConfigError("model.eps", "a finite number >= 0", eps)
-        if gradient not in GRADIENTS:
-            raise ConfigError("model.gradient", f"one of {GRADIENTS}", gradient)
         if gradient == "population" and (out_norm != "bn" or eps != 0 or symmetrize):
             raise ConfigError("model.gradient", "'sample' unless out_norm='bn', eps=0, symmetrize=False",
                               gradient)
         if not stop_grad and target == "ema":
             raise ConfigError("model.stop_grad", "True with an EMA target", stop_grad)
-        if init_std is not None and not (isinstance(init_std, (int, float)) and init_std > 0):
-            raise ConfigError("model.init_std", "null or a number > 0", init_std)
-        if not isinstance(log_every_n_steps, int) or log_every_n_steps < 1:
-            raise ConfigError("model.log_every_n_steps", "a positive integer", log_every_n_steps)
-        if backend not in ("auto", "torch", "triton"):
-            raise ConfigError("model.backend", "one of ('auto', 'torch', 'triton')", backend)
         self.save_hyperparameters()
         self.width, self.head_kind, self.target_kind, self.ema_decay = width, head, target, float(ema_decay)
         self.lr = float(lr)
@@ -322,6 +304,9 @@ class NonContrastiveModule(FeatureLearningModule):
         if gradient_needs_gaussian(self.gradient, dm):
             raise ConfigError("model.gradient", "'sample' for co-occurring features", self.gradient)
         m, d, dtype = self.width, dm.dim, dm.dtype
+        # encoder and head with their gradients and copies (EMA target, initial head), built on the CPU
+        check_memory("model", NonContrastiveModule.__init__, {"width": m}, 4 * dtype.itemsize * m * (d + m),
+                     f"{m} neurons of dimension {d} and an {m} x {m} head", device="cpu")
         seed = dm.seed if self.init_seed is None else self.init_seed
         std = self.init_std if self.init_std is not None else 1.0 / math.sqrt(d)
         w = rng.global_normal(seed, _INIT_STREAM, (m, d), dtype=torch.float64) * std
@@ -472,16 +457,12 @@ class NonContrastiveModule(FeatureLearningModule):
             groups.append({"params": [self.head], "lr": self.head_lr})
         return torch.optim.SGD(groups, lr=self.lr, momentum=0.0, weight_decay=0.0)
 
-    @torch.no_grad()
-    def after_step(self) -> None:
-        """Algorithm 1 line 6 (diag(E) = 1) and the EMA target update; called after every SGD step."""
+    def finish_step(self, step: int) -> None:
+        """Algorithm 1 line 6 (diag(E) = 1) and the EMA target update: part of every SGD step."""
         if self.head_kind == "offdiag":
             self.head.diagonal().fill_(1.0)
         if self.target_kind == "ema":
             self.w_target.mul_(self.ema_decay).add_(self.w.detach(), alpha=1 - self.ema_decay)
-
-    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
-        self.after_step()
 
 
 def gradient_needs_gaussian(gradient: str, dm) -> bool:

@@ -91,7 +91,8 @@ def test_stage_one_sparse_growth_rate():
         opt.zero_grad()
         loss.backward()
         opt.step()
-        model.after_step(step + 1)
+        with torch.no_grad():
+            model.finish_step(step + 1)
     assert model.T1 is None  # still stage I: b = 0, the network is linear
     t = torch.arange(17.0)
     y = torch.tensor(logs)

@@ -49,7 +49,7 @@ def test_bad_sizes_are_refused():
         data(mode="online")
     with pytest.raises(ConfigError, match="data.batch_size: must be at most"):
         batch_at(data(batch_size=30), 0, world=2)
-    with pytest.raises(ConfigError, match="data.num_train: must be a multiple of the device count 5"):
+    with pytest.raises(ConfigError, match="data.num_pretrain: must be a multiple of the device count 5"):
         batch_at(data(), 0, world=5, local=48)
     dm = data(batch_size=8)
     dm.trainer = SimpleNamespace(global_step=0, global_rank=0, world_size=1, accumulate_grad_batches=2)

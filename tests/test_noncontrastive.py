@@ -100,7 +100,8 @@ def test_stop_grad_matches_float64_reference_and_ema():
     old_t = ema.w_target.clone()
     with torch.no_grad():
         ema.w.add_(1.0)
-    ema.after_step()
+    with torch.no_grad():
+        ema.finish_step(1)
     assert torch.allclose(ema.w_target, 0.9 * old_t + 0.1 * ema.w.detach())
 
 

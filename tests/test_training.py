@@ -5,7 +5,7 @@ import lightning as L
 import pytest
 import torch
 
-from featlearn.callbacks import DivergenceGuard
+from featlearn.callbacks import DivergenceGuard, FinalCheckpoint
 from featlearn.cli import main
 from featlearn.datamodules.multiview import MultiViewDataModule
 from featlearn.errors import DivergenceError
@@ -70,13 +70,13 @@ def test_resumed_run_stops_at_the_same_step_after_capture(tmp_path):
     assert run(1000, ckpt=tmp_path / "after_capture.ckpt") == (end, captured)
 
 
-def test_divergence_stops_and_keeps_last_good_checkpoint(tmp_path):
+def test_nan_loss_stops_before_the_step_and_keeps_last_good_checkpoint(tmp_path):
     L.seed_everything(0)
     model = TeacherStudentMRP(m=2, sigma0=0.5, lr=1e6, norm_cap=None, backend="torch")
-    ckpt = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path, save_last=True, every_n_train_steps=1,
-                                               save_top_k=0, monitor=None)
+    ckpt = FinalCheckpoint(dirpath=tmp_path, save_last=True, every_n_train_steps=1, save_top_k=0, monitor=None)
+    guard = DivergenceGuard(weight_growth=float("inf"))  # growth unwatched: the non-finite checks stop it
     with pytest.raises(DivergenceError, match=r"global step \d+.*(train loss|parameter 'weight'|metric) .*(nan|inf)"):
-        trainer(tmp_path, 100, callbacks=[DivergenceGuard(), ckpt]).fit(model, small_data())
+        trainer(tmp_path, 100, callbacks=[guard, ckpt]).fit(model, small_data())
     last = torch.load(tmp_path / "last.ckpt", weights_only=True)
     assert torch.isfinite(last["state_dict"]["weight"]).all()
     assert last["global_step"] >= 1
