@@ -17,7 +17,7 @@ endif
 .PHONY: experiment test test-all contrastive noncontrastive bench tensorboard clean
 
 experiment: $(STAMP)  ## the main job: MRP pretrain -> fine-tune vs supervised learning (seed 000)
-	$(PY) -m featlearn.experiments.mrp --out runs/mrp
+	$(PY) -m featlearn.experiments.mrp --grid --out runs/mrp
 
 test: $(STAMP)  ## the default test suite (< 15 minutes on 2 cores)
 	$(PY) -m pytest -q

@@ -40,6 +40,8 @@ class MultiViewDataModule(SyntheticDataModule):
         k: classes (2k features). d: patch dimension (>= 2k). P: patches (>= C_p (2 + 4 s)).
         C_p: patches per feature. s: expected off-class features per class pair (probability s/k each).
         mu: probability of a single-view sample. rho: weight of the weak feature in single-view data.
+        eval_mu: probability of a single-view sample in the val and test splits (default: ``mu``); set it
+            to measure single-view accuracy precisely while the training share ``mu`` is small or zero.
         sigma_p: noise std on feature patches. gamma: feature-noise level (alpha ~ U[0, gamma]).
         close_prob: probability of putting a feature sum at its end point (1 own, 0.4 off-class).
         basis: ``identity`` (v = first 2k coordinate axes) or ``random`` orthonormal features.
@@ -55,6 +57,7 @@ class MultiViewDataModule(SyntheticDataModule):
         C_p: PositiveInt = 1,
         s: NonNegativeFloat = 2.0,
         mu: ClosedUnitInterval = 0.2,
+        eval_mu: ClosedUnitInterval | None = None,
         rho: LeftOpenUnitInterval = 0.1,
         sigma_p: NonNegativeFloat = 0.005,
         gamma: NonNegativeFloat = 0.002,
@@ -92,6 +95,7 @@ class MultiViewDataModule(SyntheticDataModule):
         super().__init__(seed, mode, batch_size, num_train, num_val, num_test, steps_per_epoch, shuffle)
         self.train_field = train_field
         self.k, self.d, self.P, self.C_p, self.s, self.mu, self.rho = k, d, P, C_p, s, mu, rho
+        self.eval_mu = mu if eval_mu is None else eval_mu
         self.sigma_p, self.gamma, self.close_prob, self.basis, self.train_set = sigma_p, gamma, close_prob, basis, train_set
         self._features = self._make_features()
 
@@ -124,7 +128,7 @@ class MultiViewDataModule(SyntheticDataModule):
             return fn(self.seed, self.stream(split, kind), index, *args)
 
         y = draw(_Y, rng.randint, (), k)
-        single = draw(_SINGLE, rng.bernoulli, (), self.mu)
+        single = draw(_SINGLE, rng.bernoulli, (), self.mu if split == "train" else self.eval_mu)
         main = torch.where(single, draw(_MAIN, rng.randint, (), 2), torch.full_like(y, -1))
         fclass = torch.arange(F, device=dev) // 2
         own = fclass == y[:, None]                                                     # [B, F]

@@ -92,3 +92,28 @@ def write_results(out: Path, stem: str, results: dict, table: str) -> None:
     (out / f"{stem}.md").write_text(table + "\n")
     print(table)
     print(f"\nwrote {out / (stem + '.json')} and {out / (stem + '.md')}")
+
+
+def add_seed_argument(parser: argparse.ArgumentParser, default: tuple[int, ...] = (0,)) -> None:
+    """``--seed S [S ...]``: the option every experiment shares; several seeds report mean and range."""
+    parser.add_argument("--seed", type=int, nargs="+", default=list(default),
+                        help=f"one seed or several (default {' '.join(map(str, default))}); several give per-seed "
+                             f"results and a table of mean (min-max)")
+
+
+def mean_range(values: list, fmt: str = "{:.3f}") -> object:
+    """One cell summarising per-seed values: the value itself for one seed, ``mean (min-max)`` for several,
+    ``n/a`` where the quantity is undefined (``None``) for any seed.
+
+    Example:
+        >>> mean_range([0.5, 1.0])
+        '0.750 (0.500-1.000)'
+        >>> mean_range([None, 1.0])
+        'n/a'
+    """
+    if not values or any(v is None or v == "" or v == "n/a" for v in values):
+        return "n/a"
+    if len(values) == 1:
+        return fmt.format(values[0])
+    mean = sum(values) / len(values)
+    return f"{fmt.format(mean)} ({fmt.format(min(values))}-{fmt.format(max(values))})"

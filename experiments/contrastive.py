@@ -1,31 +1,51 @@
-"""Experiment E1 of spec 001: contrastive learning with vs without RandomMask, plus the negative control.
+"""Experiment E1 of spec 001: contrastive learning with vs without RandomMask, at equal bias, plus controls.
 
-Every setting is a config ``configs/contrastive/<setting>.yaml`` (tiny default config: d=32, d1=256,
-m=128, K=N=256, eta=2, 1000 steps, tau=log d, lambda=d^-1.75), built through the featlearn CLI
-(:func:`featlearn.experiments.common.build`) with only the output location, the number of steps and
-the seed overridden. After training, prints and saves a table (``results.json`` / ``results.md``
-beside the TensorBoard logs): final sparse-energy fraction (and its peak), singleton neurons, features
-covered by singletons, regression probe nMSE on f(x) vs on raw x (fit on the val split, scored on the
-test split), classification accuracy likewise, cos(f(x), f(Mz)), cos(f(x), f(xi)), T1, T2 and the
-normalized final loss.
+Every setting is a config ``configs/contrastive/<setting>.yaml``, built through the featlearn CLI
+(:func:`featlearn.experiments.common.build`) with the output location, the seed and the size knobs below
+overridden. After training it prints and saves a table (``results.json`` / ``results.md``): sparse-energy
+fraction (final and peak), singleton neurons, features covered by singletons, the bias each run got
+(``b/||w||``, T1), regression / classification probes on f(x) vs raw x (fit on the val split, scored on
+the test split), cos(f(x), f(Mz)), cos(f(x), f(xi)), firing rate, T2 and the normalized final loss.
+With several ``--seed`` values every cell is ``mean (min-max)`` over seeds (``n/a`` where a quantity is
+undefined for some seed, e.g. T2 never reached).
 
-Default settings:
-* ``random_mask``: RandomMask views, paper bias schedule (Thm 3.4).
-* ``no_augmentation``: positive = the sample itself, bias 0 (Thm 3.2).
+Default settings (the comparison differs in ONE thing at a time):
+* ``random_mask``: RandomMask views, paper bias schedule (spec 3.3: b = 0 until T1 = first step with
+  ``min_i rho_i >= 1/2``, reset to ``sqrt(2 log d/d)||w_i||``, grown to the cap ``(log d/sqrt d)||w_i||``).
+* ``no_augmentation``: positive = the sample itself, the SAME schedule, detected by the same rule on its own
+  run. Equal terms: the rule, its constants and the cap are identical; only the step at which T1 fires
+  can differ, and the table reports it (column T1) with the bias the run reached (column b/||w||). At
+  d1 = 8d and d = 32..128 T1 fires without augmentation too (earlier than with it). Where it does not
+  (d = 16, or d1 = 32d) the run keeps b = 0; ``--bias-reset-step N`` then resets every run's bias at step N.
+* ``linear_control``: no augmentation and ``b = 0``, so f(x) = Wx is linear and its probe cannot beat the
+  raw-x probe by construction (the old ``no_augmentation`` row; it tests the probes, not the theory).
 * ``coordinate_control``: RandomMask with a coordinate-aligned dictionary (spec 2.4, negative control).
 
-Ablations (not in the default table): ``learned_bias`` / ``learned_bias_no_aug`` (bias learned by SGD
-with / without augmentation, footnote 4) and ``paper_lambda`` (lambda = d^-1.25 inside the paper's
-range, which the spec says stalls stage III at small d).
+Ablations (``--settings``): ``learned_bias`` / ``learned_bias_no_aug`` (bias learned by SGD with / without
+augmentation, footnote 4) and ``paper_lambda`` (lambda = d^-1.25, inside the paper's range).
+
+Size rule (``--preset tiny|small|medium`` = d 32/64/128; ``--d``, ``--d1``, ``--width-mult`` override):
+* d1 = 8d, m = 4d (``width_mult`` 4), K = 256 anchors per step, N = 8d shared negatives (spec 1.4:
+  256 at d = 32, 512 at d = 64);
+* tau = log d and lambda = d^-1.75 (spec 1.4; ``paper_lambda``: d^-1.25);
+* eta = 2 at every d. The spec's eta = 1 above d = 32 is a proposal for stability, but the finite-K noise
+  ratio it guards, nu = 2 eta sigma^4 d1/(K p) = 16 eta log d/(K log log d) (spec 1.4), is 0.35 / 0.36 /
+  0.38 at d = 32 / 64 / 128 with eta = 2, K = 256: no worse than the validated tiny config;
+* steps = 1000 S(d)/S(32) with S(d) = d log d/log log d, the d-dependence of the stage times T1, T2 =
+  Theta(d log d/(eta log log d)) at fixed eta (spec 5.2): 1000 / 2093 / 4407 steps at d = 32 / 64 / 128.
 
 Usage:
-    python -m featlearn.experiments.contrastive [--out DIR] [--steps 1000] [--seed 0] [--threads 1] [--settings a,b]
+    python -m featlearn.experiments.contrastive [--preset tiny] [--seed 0 1 2] [--settings a,b] [--threads 1]
+    python -m featlearn.experiments.contrastive --sweep-d 32 64 --seed 0 1 2     # d sweep -> sweep_d.md
+    python -m featlearn.experiments.contrastive --combine runs/a runs/b          # one sweep table from runs
+    python -m featlearn.experiments.contrastive --d1 1024 --bias-reset-step 40   # one bias clock for all runs
 
-Runs on CPU in a few minutes (1 torch thread per run; more threads slow down on a busy 2-core box).
+A tiny run takes ~25 s per setting and seed on one CPU thread, small ~100 s, medium ~8 min.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import time
@@ -33,18 +53,33 @@ from pathlib import Path
 
 import torch
 
-from featlearn.experiments.common import (CONFIGS, add_output_arguments, build, markdown_table, output_dir,
-                                         quiet_lightning, write_results)
+from featlearn.experiments.common import (CONFIGS, add_output_arguments, add_seed_argument, build, markdown_table,
+                                         mean_range, output_dir, quiet_lightning, write_results)
 
 SETTINGS = sorted(p.stem for p in (CONFIGS / "contrastive").glob("*.yaml"))
-DEFAULT_SETTINGS = ("random_mask", "no_augmentation", "coordinate_control")
+DEFAULT_SETTINGS = ("random_mask", "no_augmentation", "linear_control", "coordinate_control")
+SWEEP_SETTINGS = ("random_mask", "no_augmentation", "linear_control")
+PRESETS = {"tiny": 32, "small": 64, "medium": 128}
+LABELS = {
+    "random_mask": "RandomMask (schedule bias)",
+    "no_augmentation": "no augmentation (same schedule bias)",
+    "linear_control": "linear control (b = 0, f linear: cannot beat raw x by construction)",
+    "coordinate_control": "coordinate-aligned dictionary (negative control)",
+    "learned_bias": "RandomMask, learned bias",
+    "learned_bias_no_aug": "no augmentation, learned bias",
+    "paper_lambda": "RandomMask, lambda = d^-1.25",
+}
+LAMBDA_EXPONENT = {"paper_lambda": -1.25}  # every other setting: -1.75
 
+# (column, summary key, format); undefined values (NaN) print as n/a
 COLUMNS = [
-    ("lambda", "lambda", "{:.1e}"),
-    ("sparse_frac", "weights/sparse_frac_mean", "{:.3f}"),
-    ("sparse_frac_peak", "weights/sparse_frac_peak", "{:.3f}"),
-    ("singletons", "singletons_str", "{}"),
+    ("sparse frac", "weights/sparse_frac_mean", "{:.3f}"),
+    ("peak", "weights/sparse_frac_peak", "{:.3f}"),
+    ("singletons", "features/singletons", "{:.0f}"),
     ("coverage", "features/coverage", "{:.3f}"),
+    ("b/||w||", "bias/ratio_mean", "{:.2f}"),
+    ("T1", "stage/T1", "{:.0f}"),
+    ("T2", "stage/T2", "{:.0f}"),
     ("nMSE f(x)", "probe/reg_nmse", "{:.3f}"),
     ("nMSE raw x", "probe/reg_nmse_raw", "{:.3f}"),
     ("acc f(x)", "probe/cls_acc", "{:.3f}"),
@@ -52,24 +87,44 @@ COLUMNS = [
     ("cos(f(x),f(Mz))", "repr/cos_fx_fMz", "{:.2f}"),
     ("cos(f(x),f(xi))", "repr/cos_fx_fxi", "{:.2f}"),
     ("fire rate", "act/fire_rate_raw", "{:.3f}"),
-    ("mean b", "bias/mean", "{:.3f}"),
-    ("T1", "stage/T1", "{:.0f}"),
-    ("T2", "stage/T2", "{:.0f}"),
     ("loss/uniform", "loss_normalized", "{:.3f}"),
-    ("wall s", "wall_s", "{:.0f}"),
 ]
+SWEEP_COLUMNS = ["d", "d1", "m", "steps", "sparse frac", "peak", "singletons", "coverage", "b/||w||", "T1",
+                 "nMSE f(x)", "nMSE raw x"]
 
 
-def run_setting(name: str, out: Path, steps: int = 1000, seed: int = 0) -> dict:
-    """Train ``configs/contrastive/<name>.yaml`` (logs in ``out/name``) and return its summary metrics."""
+def size_rule(d: int, d1: int | None = None, width_mult: float = 4.0) -> dict:
+    """The run sizes and hyperparameters at ``d`` (see the module docstring for the rule and its sources).
+
+    Example:
+        >>> r = size_rule(64); (r["d1"], r["m"], r["N"], r["eta"], r["steps"])
+        (512, 256, 512, 2.0, 2093)
+    """
+    scale = lambda n: n * math.log(n) / math.log(math.log(n))  # noqa: E731 - T1, T2 ~ d log d/(eta log log d)
+    return {"d": d, "d1": d1 if d1 is not None else 8 * d, "width_mult": width_mult,
+            "m": max(1, int(round(width_mult * d))), "K": 256, "N": 8 * d, "eta": 2.0,
+            "tau": math.log(d), "steps": int(round(1000 * scale(d) / scale(32)))}
+
+
+def run_setting(name: str, out: Path, size: dict, seed: int = 0) -> dict:
+    """Train ``configs/contrastive/<name>.yaml`` at ``size`` (logs in ``out/<name>_seed<seed>``); its summary."""
     t0 = time.time()
-    cli = build(f"contrastive/{name}.yaml", out, name, "--trainer.max_steps", str(steps),
+    d = size["d"]
+    lam = d ** LAMBDA_EXPONENT.get(name, -1.75)
+    reset = size.get("bias_reset_step")
+    extra = ["--model.init_args.bias_reset_step", str(reset)] if reset is not None else []
+    cli = build(f"contrastive/{name}.yaml", out, f"{name}_seed{seed}", "--trainer.max_steps", str(size["steps"]),
                 "--seed_everything", str(seed), "--data.init_args.seed", str(seed),
-                "--model.init_args.seed", str(seed))
+                "--model.init_args.seed", str(seed), "--data.init_args.d", str(d),
+                "--data.init_args.d1", str(size["d1"]), "--data.init_args.batch_size", str(size["K"]),
+                "--data.init_args.num_negatives", str(size["N"]),
+                "--model.init_args.width_mult", str(size["width_mult"]), "--model.init_args.lr", str(size["eta"]),
+                "--model.init_args.weight_decay", repr(lam), "--model.init_args.temperature", repr(size["tau"]),
+                *extra)
     trainer, model, dm = cli.trainer, cli.model, cli.datamodule
     trainer.fit(model, datamodule=dm)
     summary = model.summary()
-    # final normalized contrastive loss on a fresh batch (mean over 4 batches)
+    # the final loss on fresh batches, normalized by its value at uniform logits (1 = nothing learned)
     with torch.no_grad():
         vals = []
         for k in range(4):
@@ -78,61 +133,188 @@ def run_setting(name: str, out: Path, steps: int = 1000, seed: int = 0) -> dict:
             vals.append(float(loss) / st["uniform"])
     summary["loss_normalized"] = sum(vals) / len(vals)
     summary["wall_s"] = time.time() - t0
-    summary["singletons_str"] = f"{int(summary['features/singletons'])}/{int(summary['m'])}"
     summary["raw_nmse_population"] = dm.raw_probe_nmse()
     summary["lambda"] = float(model.lam)
-    summary["d/d1"] = dm.d / dm.d1
-    summary["config"] = {"d": dm.d, "d1": dm.d1, "m": model.m, "K": dm.batch_size, "N": dm.num_negatives,
-                         "eta": model.hp.lr, "num_val": dm.sizes["val"], "num_test": dm.sizes["test"]}
     if trainer.logger is not None:
         trainer.logger.log_metrics({f"final/{k}": v for k, v in summary.items() if isinstance(v, float)},
                                    step=trainer.global_step)
-    return summary
+    # NaN marks "never happened" (T1, T2): stored as null so the tables print n/a
+    return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in summary.items()}
 
 
-def format_table(results: dict[str, dict]) -> str:
-    def cell(value, fmt):
-        return "-" if isinstance(value, float) and math.isnan(value) else fmt.format(value)
-
-    rows = {name: {col: cell(r.get(key, float("nan")), fmt) for col, key, fmt in COLUMNS}
-            for name, r in results.items()}
-    return markdown_table(rows, [col for col, _, _ in COLUMNS])
+def aggregate(per_seed: dict[int, dict]) -> dict[str, object]:
+    """Table cells of one setting: ``mean (min-max)`` over seeds per column."""
+    runs = list(per_seed.values())
+    return {col: mean_range([r.get(key) for r in runs], fmt) for col, key, fmt in COLUMNS}
 
 
-def main(argv=None) -> dict:
+def label(name: str) -> str:
+    return LABELS.get(name, name)
+
+
+def run_size(names: list[str], size: dict, seeds: list[int], out: Path) -> dict:
+    """All settings x seeds at one size; writes ``results.json`` / ``results.md`` in ``out``."""
+    t0 = time.time()
+    runs = {name: {seed: run_setting(name, out, size, seed) for seed in seeds} for name in names}
+    result = {"size": size, "seeds": seeds, "runs": runs, "total_wall_s": time.time() - t0}
+    write_size_results(out, result)
+    return result
+
+
+def write_size_results(out: Path, result: dict, stem: str = "results") -> None:
+    """``<stem>.json`` / ``<stem>.md``: the table of one size from a :func:`run_size` result."""
+    runs = {name: {int(s): r for s, r in per_seed.items()} for name, per_seed in result["runs"].items()}
+    rows = {label(name): aggregate(per_seed) for name, per_seed in runs.items()}
+    size = result["size"]
+    notes = size_notes(size, result["seeds"], runs) + f" Total wall time {result['total_wall_s']:.0f} s."
+    write_results(out, stem, {**result, "notes": notes},
+                  f"# Contrastive learning: RandomMask vs no augmentation at equal bias (d = {size['d']})\n\n"
+                  f"{markdown_table(rows, [c for c, _, _ in COLUMNS])}\n\n{notes}")
+
+
+def size_notes(size: dict, seeds: list[int], runs: dict) -> str:
+    any_run = next(iter(next(iter(runs.values())).values()))
+    budget = ("set by --steps; the size rule gives " + str(size_rule(size["d"])["steps"]) if size.get("steps_override")
+              else "rule: steps = 1000 S(d)/S(32), S(d) = d log d/log log d; see experiments/contrastive.py")
+    clock = (f"at step {size['bias_reset_step']} in every run (--bias-reset-step)" if size.get("bias_reset_step")
+             else "at T1 = first step with min_i rho_i >= 1/2, detected on each run")
+    seeds_txt = f"seed {seeds[0]}" if len(seeds) == 1 else f"seeds {' '.join(map(str, seeds))}: mean (min-max)"
+    return (f"d={size['d']}, d1={size['d1']}, m={size['m']}, K={size['K']}, N={size['N']}, eta={size['eta']:g}, "
+            f"tau=log d, lambda=d^-1.75 (paper_lambda: d^-1.25), {size['steps']} steps "
+            f"({budget}), {seeds_txt}. "
+            f"Singletons: |N_i| = 1 with N_i = {{j : |alpha_ij| >= max(b_i, sqrt(2 log d/d) ||w_i||)}}, the same "
+            f"definition for every row. Bias: random_mask and no_augmentation run the same schedule (reset "
+            f"{clock}; cap (log d/sqrt d) ||w_i|| = "
+            f"{math.log(size['d']) / math.sqrt(size['d']):.2f} ||w_i||); columns T1 and b/||w|| give what each run "
+            f"got (the linear control detects T1 but keeps b = 0). Population nMSE of the best linear probe on "
+            f"raw x: sigma^2/(p+sigma^2) = {any_run['raw_nmse_population']:.3f}. Probes: fit on the val split, "
+            f"scored on the test split.")
+
+
+def sweep_table(results: list[dict]) -> str:
+    """One row per (d, setting) from several :func:`run_size` results."""
+    rows = {}
+    for res in sorted(results, key=lambda r: r["size"]["d"]):
+        size = res["size"]
+        for name, per_seed in res["runs"].items():
+            cells = aggregate({int(s): r for s, r in per_seed.items()})
+            cells.update({"d": size["d"], "d1": size["d1"], "m": size["m"], "steps": size["steps"]})
+            seeds = f"{len(per_seed)} seed{'s' * (len(per_seed) > 1)}"
+            rows[f"{label(name)}{_off_rule(size)}, d = {size['d']} ({seeds})"] = cells
+    return markdown_table(rows, SWEEP_COLUMNS)
+
+
+def _off_rule(size: dict) -> str:
+    """What a run changed from the size rule (targeted runs), for its row label."""
+    rule = size_rule(size["d"], width_mult=size["width_mult"])
+    parts = [f"d1 = {size['d1']}" if size["d1"] != rule["d1"] else "",
+             f"{size['steps']} steps" if size["steps"] != rule["steps"] else "",
+             f"bias reset at step {size['bias_reset_step']}" if size.get("bias_reset_step") else ""]
+    return "".join(f" [{p}]" for p in parts if p)
+
+
+def write_sweep(out: Path, results: list[dict], extra_notes: str = "") -> None:
+    seed_sets = sorted({tuple(r["seeds"]) for r in results}, key=len, reverse=True)
+    notes = ("Each cell: mean (min-max) over the seeds counted in its row label. Size rule (experiments/contrastive.py): "
+             "d1 = 8d, m = 4d, K = 256, N = 8d, eta = 2, tau = log d, lambda = d^-1.75, steps = 1000 S(d)/S(32) with "
+             "S(d) = d log d/log log d. Singletons and coverage use one definition for every row "
+             "(|alpha_ij| >= max(b_i, sqrt(2 log d/d)||w_i||)). RandomMask and no augmentation run the same bias "
+             "schedule; T1 and b/||w|| are what each run got (T1 is detected in every run; the linear control keeps "
+             "b = 0 at it, the coordinate control never reaches it). Rows with [...] are targeted runs that change "
+             "what the brackets say from the rule. Seeds: "
+             + "; ".join(f"{' '.join(map(str, ss))} ({len(ss)}-seed rows)" for ss in seed_sets)
+             + f". Total wall time {sum(r['total_wall_s'] for r in results):.0f} s." + extra_notes)
+    write_results(out, "sweep_d", {"sizes": results, "notes": notes},
+                  f"# Contrastive learning across d: coverage, singletons, sparse-energy fraction\n\n"
+                  f"{sweep_table(results)}\n\n{notes}")
+
+
+def _load(run_dir: Path) -> list[dict]:
+    """The per-size results saved by an earlier run (one size or a sweep)."""
+    sweep, single = run_dir / "sweep_d.json", run_dir / "results.json"
+    if sweep.exists():
+        return json.loads(sweep.read_text())["sizes"]
+    data = json.loads(single.read_text())
+    return [{k: data[k] for k in ("size", "seeds", "runs", "total_wall_s")}]
+
+
+def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_output_arguments(parser, "runs/contrastive")
-    parser.add_argument("--steps", type=int, default=1000)
-    parser.add_argument("--seed", type=int, default=0)
+    add_seed_argument(parser)
+    parser.add_argument("--preset", choices=sorted(PRESETS, key=PRESETS.get), default="tiny",
+                        help="size preset: " + ", ".join(f"{k} = d {v}" for k, v in PRESETS.items()))
+    parser.add_argument("--d", type=int, help="number of dictionary atoms (overrides --preset)")
+    parser.add_argument("--d1", type=int, help="input dimension (default 8d)")
+    parser.add_argument("--width-mult", type=float, default=4.0, help="neurons per atom, m = width_mult * d")
+    parser.add_argument("--steps", type=int, help="override the step budget of the size rule (one size only)")
+    parser.add_argument("--bias-reset-step", type=int, metavar="N",
+                        help="reset the scheduled bias at step N in every run instead of at its own T1 (one bias "
+                             "clock for runs with and without augmentation)")
+    parser.add_argument("--sweep-d", type=int, nargs="+", metavar="D",
+                        help="run every setting at each d (sizes by the rule) and write sweep_d.md")
+    parser.add_argument("--combine", type=Path, nargs="+", metavar="DIR",
+                        help="write one sweep_d table from earlier runs' results.json / sweep_d.json (no training)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (0 = leave torch's default)")
-    parser.add_argument("--settings", default=",".join(DEFAULT_SETTINGS),
-                        help=f"comma-separated subset of {SETTINGS} (configs/contrastive/*.yaml)")
+    parser.add_argument("--settings", help=f"comma-separated subset of {SETTINGS} (configs/contrastive/*.yaml); "
+                                           f"default {','.join(DEFAULT_SETTINGS)}, with --sweep-d "
+                                           f"{','.join(SWEEP_SETTINGS)}")
     args = parser.parse_args(argv)
-    quiet_lightning()
-    names = [s for s in args.settings.split(",") if s]
+
+    if args.combine:
+        given = [opt for opt, v in (("--sweep-d", args.sweep_d), ("--d", args.d), ("--d1", args.d1),
+                                    ("--steps", args.steps), ("--settings", args.settings),
+                                    ("--bias-reset-step", args.bias_reset_step)) if v is not None]
+        if given:
+            parser.error(f"--combine: tabulates earlier runs without training; drop {', '.join(given)}")
+        missing = [str(p) for p in args.combine
+                   if not (p / "sweep_d.json").exists() and not (p / "results.json").exists()]
+        if missing:
+            parser.error(f"--combine: no results.json or sweep_d.json in {missing}")
+        out = output_dir(args.out, args.overwrite)
+        results = [r for p in args.combine for r in _load(p)]
+        write_sweep(out, results, f" Combined from {', '.join(map(str, args.combine))}.")
+        return results
+
+    default = SWEEP_SETTINGS if args.sweep_d else DEFAULT_SETTINGS
+    names = [s for s in (args.settings or ",".join(default)).split(",") if s]
     unknown = [s for s in names if s not in SETTINGS]
-    if unknown:
-        parser.error(f"--settings: must be among {SETTINGS}, got {unknown}")
-    if args.steps < 1:
+    if unknown or not names:
+        parser.error(f"--settings: must be among {SETTINGS}, got {unknown or args.settings!r}")
+    if args.sweep_d and (args.d is not None or args.d1 is not None or args.steps is not None):
+        parser.error("--sweep-d: sizes and steps come from the size rule; do not combine with --d, --d1 or --steps")
+    ds = args.sweep_d or [args.d if args.d is not None else PRESETS[args.preset]]
+    for name, values in (("--d", [args.d]), ("--sweep-d", args.sweep_d or [])):
+        bad = [v for v in values if v is not None and v < 4]
+        if bad:
+            parser.error(f"{name}: every d must be an integer >= 4 (log log d > 0), got {bad}")
+    if args.d1 is not None and args.d1 <= ds[0]:
+        parser.error(f"--d1: must exceed d = {ds[0]}, got {args.d1}")
+    if not (args.width_mult > 0 and math.isfinite(args.width_mult)):
+        parser.error(f"--width-mult: must be a positive number, got {args.width_mult}")
+    if args.steps is not None and args.steps < 1:
         parser.error(f"--steps: must be a positive integer, got {args.steps}")
+    if args.bias_reset_step is not None and args.bias_reset_step < 1:
+        parser.error(f"--bias-reset-step: must be a positive integer, got {args.bias_reset_step}")
+    if args.threads < 0:
+        parser.error(f"--threads: must be >= 0, got {args.threads}")
+    if len(set(args.seed)) != len(args.seed):
+        parser.error(f"--seed: seeds must be distinct, got {args.seed}")
+
+    quiet_lightning()
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     out = output_dir(args.out, args.overwrite)
-    t0 = time.time()
-    results = {name: run_setting(name, out, steps=args.steps, seed=args.seed) for name in names}
-    total = time.time() - t0
-    any_r = next(iter(results.values()))
-    c = any_r["config"]
-    sizes = f"K=N={c['K']}" if c["K"] == c["N"] else f"K={c['K']}, N={c['N']}"
-    notes = (f"d={c['d']}, d1={c['d1']}, m={c['m']}, {sizes}, eta={c['eta']:g}, tau=log d, "
-             f"lambda=d^-1.75 unless the row says otherwise, {args.steps} steps, seed {args.seed} "
-             f"(configs/contrastive/<setting>.yaml). Population nMSE of the best linear probe on raw x: "
-             f"sigma^2/(p+sigma^2) = {any_r['raw_nmse_population']:.3f}; d/d1 = {any_r['d/d1']:.3f}. "
-             f"Probes: fit on {c['num_val']} val samples, scored on {c['num_test']} test samples. "
-             f"Total wall time {total:.0f} s.")
-    table = format_table(results)
-    write_results(out, "results", {"results": results, "total_wall_s": total, "notes": notes},
-                  f"# Contrastive learning: RandomMask vs no augmentation\n\n{table}\n\n{notes}")
+    results = []
+    for d in ds:
+        size = size_rule(d, args.d1, args.width_mult)
+        if args.steps is not None:
+            size.update(steps=args.steps, steps_override=True)
+        if args.bias_reset_step is not None:
+            size["bias_reset_step"] = args.bias_reset_step
+        results.append(run_size(names, size, args.seed, out / f"d{d}" if args.sweep_d else out))
+    if args.sweep_d:
+        write_sweep(out, results)
     return results
 
 

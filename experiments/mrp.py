@@ -1,93 +1,318 @@
-"""The MRP main job (seed 000, spec 3.6): pretrain -> fine-tune vs supervised learning from scratch.
+"""The MRP experiment (seed 000): pretrain -> fine-tune vs supervised learning, on equal terms, over sizes and seeds.
 
-    python -m featlearn.experiments.mrp [--out runs/mrp] [--seed 0]
-    python -m featlearn.experiments.mrp --out runs/mrp_seeds --seed 0 1 2 3 4   # mean over seeds
+    python -m featlearn.experiments.mrp                                  # main job: tiny size, seed 0
+    python -m featlearn.experiments.mrp --seed 0 1 2 --grid              # + each method at its best over the grid
+    python -m featlearn.experiments.mrp --mu 0 0.02 0.05 0.2 --seed 0 1 2   # Lemma 1 against mu
+    python -m featlearn.experiments.mrp --preset k8 tiny k16 k32 --seed 0 1 2   # sizes
+    python -m featlearn.experiments.mrp --k 12 --d 128 --m 5 --N 2000    # any size
 
-Runs ``configs/mrp/teacher_student.yaml`` (pretraining, labels unused), fine-tunes its encoder with
-``configs/mrp/finetune.yaml`` on the labelled downstream set, trains ``configs/mrp/supervised.yaml``
-from scratch on the same downstream set with the same seed, tests both on one test set split by view
-type, and prints/saves the table (``mrp_table.json`` / ``.md``) beside the TensorBoard logs.
+For every (size, mu, seed) it runs ``configs/mrp/teacher_student.yaml`` (pretraining, labels unused),
+fine-tunes the encoder with ``finetune.yaml`` on the labelled downstream set, trains ``supervised.yaml``
+from scratch on the same downstream set, and tests both on one test set split by view type.
+
+Equal terms: both encoders share q, sigma0 and m (``shared`` in ``configs/mrp/experiment.yaml``); with
+``--grid`` each method is also run at every point of the same grid (q x lr scale) and the point with the
+best balanced validation accuracy (mean of multi- and single-view) is reported beside the shared one.
+
+Size rule (:func:`size_rule`): m = max(4, ceil(2.5 ln k)) kernels per class (the theory's polylog(k) <= m; with
+m = 4 at k = 10, 2 of 3 seeds lost a feature's lottery),
+N = 100 k pretraining and N2 = 50 k labelled samples (N2 >= k, Assumption 2); step sizes grow with k
+because every feature sits in about 1/k of the samples, so its gradient is Theta(eta / k) (spec 4.3):
+pretraining eta = k/2, fine-tuning eta_1 = k/100 and eta_2 = k (spec 3.4), supervised eta = 2k, each
+times the grid's lr scale. Budgets: pretraining stops 200 steps after every feature is captured (at most
+3000 + 300 k / 10 steps), fine-tuning 300 steps, supervised learning 1500 steps.
+
+Writes ``mrp_table.{md,json}`` (and, with several seeds, per-seed rows in the JSON) beside the logs.
 """
 import argparse
-import statistics
+import math
+import sys
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from featlearn.experiments.common import (add_output_arguments, build, markdown_table, output_dir, quiet_lightning,
-                                         scalars, write_results)
+import torch
+import yaml
 
-COLUMNS = ["features captured", "all captured by step", "classes with both features", "pure / same-class / cross-class kernels",
-           "test acc multi-view", "test acc single-view", "test acc all", "steps", "seconds"]
+from featlearn.errors import DivergenceError
+from featlearn.experiments.common import (CONFIGS, add_output_arguments, add_seed_argument, build, markdown_table,
+                                         mean_range, output_dir, quiet_lightning, scalars, write_results)
+
+SETTINGS = yaml.safe_load((CONFIGS / "mrp" / "experiment.yaml").read_text())
+
+
+@dataclass(frozen=True)
+class Size:
+    k: int
+    d: int
+    P: int
+    m: int
+    N: int
+    N2: int
+
+    @property
+    def name(self) -> str:
+        return f"k={self.k} d={self.d} P={self.P} m={self.m} N={self.N} N2={self.N2}"
+
+
+def size_rule(k: int, d: int = 256, P: int = 16, m: int | None = None, N: int | None = None,
+              N2: int | None = None) -> Size:
+    """The size of a run from ``k`` and whatever else is given (see the module docstring).
+
+    Example:
+        >>> size_rule(10)
+        Size(k=10, d=256, P=16, m=6, N=1000, N2=500)
+        >>> size_rule(32).m
+        9
+    """
+    return Size(k, d, P, m or max(4, math.ceil(2.5 * math.log(k))), N or 100 * k, N2 or 50 * k)
+
+
+def step_sizes(size: Size, lr_scale: float) -> dict[str, float]:
+    """Step sizes of the three runs at this size: every rate is Theta(eta / k), so eta grows with k."""
+    return {"pretrain": 0.5 * size.k * lr_scale, "finetune": 0.01 * size.k, "head": float(size.k),
+            "supervised": 2.0 * size.k * lr_scale}
+
+
+def _data_overrides(size: Size, mu: float, seed: int) -> list[str]:
+    values = {"k": size.k, "d": size.d, "P": size.P, "num_pretrain": size.N, "num_downstream": size.N2,
+              "mu": mu, "eval_mu": SETTINGS["eval_mu"], "num_val": SETTINGS["num_val"],
+              "num_test": SETTINGS["num_test"], "seed": seed}
+    return ["--seed_everything", str(seed), *(a for key, v in values.items() for a in (f"--data.init_args.{key}", str(v)))]
 
 
 def _encoder_row(metrics: dict, prefix: str) -> dict:
     return {
         "features captured": metrics[f"{prefix}/frac_captured"],
-        "all captured by step": int(metrics[f"{prefix}/first_capture/max"]) if metrics[f"{prefix}/frac_captured"] == 1 else "",
         "classes with both features": metrics[f"{prefix}/classes_both"],
         "pure / same-class / cross-class kernels": " / ".join(
             str(int(metrics[f"{prefix}/kernels/{kind}"])) for kind in ("pure", "sameclass", "crossclass")),
     }
 
 
-def _downstream(config: str, out: Path, name: str, seed: int, *overrides: str) -> dict:
-    start = time.time()
-    cli = build(config, out, name, "--seed_everything", str(seed), "--data.init_args.seed", str(seed), *overrides)
-    cli.trainer.fit(cli.model, cli.datamodule)
-    trained = scalars(cli.trainer.callback_metrics)
-    tested = scalars(cli.trainer.test(cli.model, cli.datamodule, verbose=False)[0])
-    encoder = {k: v for k, v in _encoder_row(trained, "encoder").items() if k != "all captured by step"}
-    return {**encoder, "test acc multi-view": tested["test/acc/multi"],
-            "test acc single-view": tested["test/acc/single"], "test acc all": tested["test/acc/all"],
-            "steps": cli.trainer.global_step, "seconds": round(time.time() - start, 1)}
+def _evaluate(cli) -> dict:
+    val = scalars(cli.trainer.validate(cli.model, cli.datamodule, verbose=False)[0])
+    test = scalars(cli.trainer.test(cli.model, cli.datamodule, verbose=False)[0])
+    return {"test acc multi-view": test["test/acc/multi"], "test acc single-view": test["test/acc/single"],
+            "val balanced acc": round((val["val/acc/multi"] + val["val/acc/single"]) / 2, 4)}
 
 
-def run(out: Path, seed: int = 0) -> dict:
-    start = time.time()
-    pre = build("mrp/teacher_student.yaml", out, "pretrain", "--seed_everything", str(seed),
-                "--data.init_args.seed", str(seed))
-    pre.trainer.fit(pre.model, pre.datamodule)
+def _fit(config: str, out: Path, name: str, overrides: list[str]):
+    """Fit one config; a run the DivergenceGuard stops is returned as None (the grid point lost)."""
+    cli = build(config, out, name, *overrides)
+    try:
+        cli.trainer.fit(cli.model, cli.datamodule)
+    except DivergenceError as error:
+        print(f"{name}: {error}".splitlines()[0])
+        return None
+    return cli
+
+
+def mrp(out: Path, size: Size, mu: float, seed: int, q: int, sigma0: float, lr_scale: float,
+        max_steps: int | None = None) -> dict:
+    """Pretrain (at most ``max_steps``, default by the size rule) and fine-tune: the pretraining row and the
+    fine-tuning row of the table."""
+    start, lrs = time.time(), step_sizes(size, lr_scale)
+    tag = f"q{q}_lr{lr_scale:g}"
+    data = _data_overrides(size, mu, seed)
+    pre = _fit("mrp/teacher_student.yaml", out, f"pretrain_{tag}", [
+        *data, "--model.init_args.q", str(q), "--model.init_args.sigma0", str(sigma0), "--model.init_args.m",
+        str(size.m), "--model.init_args.lr", str(lrs["pretrain"]),
+        "--trainer.max_steps", str(max_steps or 3000 + 30 * size.k)])
+    if pre is None:
+        return {"pretrain": {"diverged": True}, "finetune": {"diverged": True}}
+    metrics = scalars(pre.trainer.callback_metrics)
+    pretrain = {**_encoder_row(metrics, "pretrain"), "steps": pre.trainer.global_step,
+                "all captured by step": int(metrics["pretrain/first_capture/max"])
+                if metrics["pretrain/frac_captured"] == 1 else None}
     ckpt = Path(pre.trainer.checkpoint_callback.last_model_path).resolve()  # the final state of pretraining
-    pretrain = {**_encoder_row(scalars(pre.trainer.callback_metrics), "pretrain"),
-                "steps": pre.trainer.global_step, "seconds": round(time.time() - start, 1)}
-    rows = {
-        "MRP pretraining": pretrain,
-        "MRP + fine-tuning": _downstream("mrp/finetune.yaml", out, "finetune", seed,
-                                         "--model.init_args.pretrained", str(ckpt)),
-        "SL from scratch": _downstream("mrp/supervised.yaml", out, "supervised", seed),
-    }
-    table = markdown_table(rows, COLUMNS)
-    write_results(out, "mrp_table", {"seed": seed, "rows": rows}, table)
+    ft = _fit("mrp/finetune.yaml", out, f"finetune_{tag}", [
+        *data, "--model.init_args.q", str(q), "--model.init_args.m", str(size.m),
+        "--model.init_args.pretrained", str(ckpt), "--model.init_args.lr", str(lrs["finetune"]),
+        "--model.init_args.lr_head", str(lrs["head"])])
+    if ft is None:
+        return {"pretrain": pretrain, "finetune": {"diverged": True}}
+    finetune = {**_encoder_row(scalars(ft.trainer.callback_metrics), "encoder"), **_evaluate(ft),
+                "steps": ft.trainer.global_step, "seconds": round(time.time() - start, 1)}
+    return {"pretrain": pretrain, "finetune": finetune}
+
+
+def supervised(out: Path, size: Size, mu: float, seed: int, q: int, sigma0: float, lr_scale: float) -> dict:
+    """Supervised learning from scratch with the same encoder: its row of the table."""
+    start = time.time()
+    sl = _fit("mrp/supervised.yaml", out, f"supervised_q{q}_lr{lr_scale:g}", [
+        *_data_overrides(size, mu, seed), "--model.init_args.q", str(q), "--model.init_args.sigma0", str(sigma0),
+        "--model.init_args.m", str(size.m), "--model.init_args.lr", str(step_sizes(size, lr_scale)["supervised"])])
+    if sl is None:
+        return {"diverged": True}
+    return {**_encoder_row(scalars(sl.trainer.callback_metrics), "encoder"), **_evaluate(sl),
+            "steps": sl.trainer.global_step, "seconds": round(time.time() - start, 1)}
+
+
+def grid_points() -> list[dict]:
+    grid = SETTINGS["grid"]
+    return [{"q": q, "lr_scale": s} for q in grid["q"] for s in grid["lr_scale"]]
+
+
+def _point(p: dict) -> str:
+    return f"q={p['q']}, lr x{p['lr_scale']:g}"
+
+
+def _best(rows: list[tuple[dict, dict]]) -> tuple[dict, dict]:
+    """The (point, row) with the best balanced validation accuracy; diverged points lose."""
+    return max(rows, key=lambda pr: pr[1].get("val balanced acc", -1.0))
+
+
+def run(out: Path, size: Size, mu: float, seed: int, grid: bool) -> dict:
+    """All rows of one (size, mu, seed): shared settings, and with ``grid`` each method's best grid point."""
+    shared = SETTINGS["shared"]
+    sigma0 = shared["sigma0"]
+    point = {"q": shared["q"], "lr_scale": shared["lr_scale"]}
+    both = mrp(out, size, mu, seed, sigma0=sigma0, **point)
+    rows = {"MRP pretraining": both["pretrain"], "MRP + fine-tuning": both["finetune"],
+            "SL from scratch": supervised(out, size, mu, seed, sigma0=sigma0, **point)}
+    for row in rows.values():
+        row["point"] = _point(point)
+    if grid:
+        mrp_rows, sl_rows = [], []
+        for p in grid_points():
+            same = p == point
+            mrp_rows.append((p, rows["MRP + fine-tuning"] if same else mrp(out, size, mu, seed, sigma0=sigma0, **p)["finetune"]))
+            sl_rows.append((p, rows["SL from scratch"] if same else supervised(out, size, mu, seed, sigma0=sigma0, **p)))
+        for name, (p, row) in (("MRP + fine-tuning, best of grid", _best(mrp_rows)),
+                               ("SL from scratch, best of grid", _best(sl_rows))):
+            rows[name] = {**row, "point": _point(p)}
+        rows["grid"] = {"MRP + fine-tuning": [{**p, **r} for p, r in mrp_rows],
+                        "SL from scratch": [{**p, **r} for p, r in sl_rows]}
     return rows
 
 
-def run_seeds(out: Path, seeds: list[int]) -> dict:
-    """:func:`run` once per seed (in ``out/seed<N>``) and a table of per-seed values and their means."""
-    per_seed = {seed: run(out / f"seed{seed}", seed) for seed in seeds}
-    numeric = ["features captured", "classes with both features", "test acc multi-view",
-               "test acc single-view", "test acc all"]
-    rows = {}
-    for setting in per_seed[seeds[0]]:
-        values = {c: [per_seed[s][setting].get(c) for s in seeds] for c in numeric}
-        rows[setting] = {c: (f"{statistics.mean(v):.3f} ({min(v):.2f}-{max(v):.2f})" if None not in v and v[0] != "" else "")
-                         for c, v in values.items()}
-    table = markdown_table(rows, numeric)
-    write_results(out, "mrp_table_seeds", {"seeds": seeds, "per_seed": per_seed}, f"seeds {seeds}: mean (min-max)\n\n{table}")
-    return rows
+COLUMNS = ["features captured", "classes with both features", "pure / same-class / cross-class kernels",
+           "test acc multi-view", "test acc single-view", "val balanced acc", "all captured by step", "steps"]
+NUMERIC = ["features captured", "classes with both features", "test acc multi-view", "test acc single-view",
+           "val balanced acc", "all captured by step", "steps"]
+# Columns a row cannot have: "n/a" there, never an empty cell or a zero.
+_DOWNSTREAM_ONLY = {"test acc multi-view", "test acc single-view", "val balanced acc"}
+UNDEFINED = {"MRP pretraining": _DOWNSTREAM_ONLY, "MRP + fine-tuning": {"all captured by step"},
+             "SL from scratch": {"all captured by step"}, "MRP + fine-tuning, best of grid": {"all captured by step"},
+             "SL from scratch, best of grid": {"all captured by step"}}
 
 
-def main() -> None:
+def summarise(per_seed: dict[int, dict]) -> dict[str, dict]:
+    """Rows over seeds: ``mean (min-max)`` of every numeric column, kernel counts and grid points per seed."""
+    seeds = list(per_seed)
+    out = {}
+    for name in per_seed[seeds[0]]:
+        if name == "grid":
+            continue
+        runs = [per_seed[s][name] for s in seeds]
+        row = {}
+        for column in COLUMNS:
+            values = [r.get(column) for r in runs]
+            if column in UNDEFINED.get(name, ()) or any(r.get("diverged") for r in runs):
+                row[column] = "n/a" if column in UNDEFINED.get(name, ()) else "diverged"
+            elif column == "all captured by step" and name == "MRP pretraining":
+                done = [v for v in values if v is not None]  # seeds that never captured every feature have no step
+                row[column] = (f"{mean_range(done, '{:.0f}')} ({len(done)}/{len(values)} seeds)" if done
+                               else f"never (0/{len(values)} seeds)")
+            elif column in NUMERIC:
+                fmt = "{:.0f}" if column in ("all captured by step", "steps") else "{:.3f}"
+                row[column] = mean_range(values, fmt)
+            else:
+                row[column] = ", ".join(str(v) for v in values)
+        points = [r.get("point") for r in runs]
+        row["point"] = points[0] if len(set(points)) == 1 else "; ".join(f"seed {s}: {p}" for s, p in zip(seeds, points))
+        out[name] = row
+    return out
+
+
+def gap_line(per_seed: dict[int, dict]) -> str:
+    """Paired single-view differences (MRP + fine-tuning minus SL, same seed and data) per seed."""
+    def gaps(mrp_name, sl_name):
+        values = [rows[mrp_name].get("test acc single-view") for rows in per_seed.values()], \
+                 [rows[sl_name].get("test acc single-view") for rows in per_seed.values()]
+        return ", ".join("n/a" if a is None or b is None else f"{a - b:+.3f}" for a, b in zip(*values))
+    line = f"shared settings {gaps('MRP + fine-tuning', 'SL from scratch')}"
+    if "MRP + fine-tuning, best of grid" in next(iter(per_seed.values())):
+        line += f"; best of grid {gaps('MRP + fine-tuning, best of grid', 'SL from scratch, best of grid')}"
+    return line
+
+
+def table(groups: dict[str, dict[str, dict]]) -> str:
+    """One markdown table; a group per (size, mu), its rows per setting."""
+    rows = {f"{group}: {name}": row for group, settings in groups.items() for name, row in settings.items()}
+    return markdown_table(rows, ["point", *COLUMNS])
+
+
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_output_arguments(parser, "runs/mrp")
-    parser.add_argument("--seed", type=int, nargs="+", default=[0],
-                        help="one seed (default 0), or several: then per-seed runs and a table of means")
-    args = parser.parse_args()
+    add_seed_argument(parser)
+    parser.add_argument("--preset", nargs="+", choices=sorted(SETTINGS["presets"]), default=None,
+                        help="named sizes from configs/mrp/experiment.yaml (default tiny)")
+    for knob in ("k", "d", "P", "m", "N", "N2"):
+        parser.add_argument(f"--{knob}", type=int, default=None, help=f"size knob {knob} (overrides the preset)")
+    parser.add_argument("--mu", type=float, nargs="+", default=[0.02],
+                        help="share of single-view samples in pretraining and downstream training (default 0.02)")
+    parser.add_argument("--grid", action="store_true", help="also run each method over the grid and report its best")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: the sizes here run "
+                                                                "fastest on one thread of a busy 2-core machine)")
+    args = parser.parse_args(argv)
+    for knob in ("k", "d", "P", "m", "N", "N2"):
+        value = getattr(args, knob)
+        if value is not None and value < (2 if knob == "k" else 1):
+            parser.error(f"--{knob}: must be at least {2 if knob == 'k' else 1}, got {value}")
+    if args.threads < 1:
+        parser.error(f"--threads: must be at least 1, got {args.threads}")
+    if any(not 0 <= mu <= 1 for mu in args.mu):
+        parser.error(f"--mu: must be in [0, 1], got {args.mu}")
+    if args.preset and any(getattr(args, k) is not None for k in ("k",)) and len(args.preset) > 1:
+        parser.error("--k: give either one size with --k or several presets, not both")
+    return args
+
+
+def sizes_of(args) -> list[Size]:
+    knobs = {k: getattr(args, k) for k in ("d", "P", "m", "N", "N2") if getattr(args, k) is not None}
+    if args.k is not None and not args.preset:
+        return [size_rule(args.k, **knobs)]
+    presets = [dict(SETTINGS["presets"][p]) for p in (args.preset or ["tiny"])]
+    return [size_rule(**{**p, **({"k": args.k} if args.k else {}), **knobs}) for p in presets]
+
+
+def report(out: Path, results: list[dict], command: str) -> dict[str, dict]:
+    """Write ``mrp_table.{md,json}`` for the runs in ``results`` (one entry per (size, mu)) and print the table."""
+    groups = {f"k={r['size']['k']}, mu={r['mu']:g}": summarise({int(s): rows for s, rows in r["per_seed"].items()})
+              for r in results}
+    for result, summary in zip(results, groups.values()):
+        result["summary"] = summary
+    gaps = "\n".join(f"- {group}: {gap_line(result['per_seed'])}" for group, result in zip(groups, results))
+    shared = SETTINGS["shared"]
+    notes = (f"`{command}`. Seeds {results[0]['seeds']}: mean (min-max) over seeds. Shared encoder q={shared['q']}, "
+             f"sigma0={shared['sigma0']}; grid {SETTINGS['grid']} (best = highest balanced validation accuracy). Sizes: "
+             + "; ".join(dict.fromkeys(Size(**r["size"]).name for r in results))
+             + f". Val/test: {SETTINGS['num_val']}/{SETTINGS['num_test']} samples, single-view share "
+               f"{SETTINGS['eval_mu']}. Kernels: capturing kernels holding one feature / both features of one class / "
+               "features of several classes (one entry per seed).")
+    write_results(out, "mrp_table", {"command": command, "settings": SETTINGS, "groups": results},
+                  f"{table(groups)}\n\nSingle-view test accuracy, MRP + fine-tuning minus SL, per seed:\n{gaps}\n\n{notes}")
+    return groups
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    sizes = sizes_of(args)
+    for size in sizes:  # refuse impossible sizes before any run starts
+        if size.d < 2 * size.k:
+            raise SystemExit(f"error: --d: must be at least 2k = {2 * size.k} for k = {size.k}, got {size.d}")
     quiet_lightning()
+    torch.set_num_threads(args.threads)
     out = output_dir(args.out, args.overwrite)
-    if len(args.seed) == 1:
-        run(out, args.seed[0])
-    else:
-        run_seeds(out, args.seed)
+    results = [{"size": asdict(size), "mu": mu, "seeds": args.seed,
+                "per_seed": {seed: run(out / f"k{size.k}_mu{mu:g}" / f"seed{seed}", size, mu, seed, args.grid)
+                             for seed in args.seed}}
+               for size in sizes for mu in args.mu]
+    command = "python -m featlearn.experiments.mrp " + " ".join(sys.argv[1:] if argv is None else argv)
+    return report(out, results, command)
 
 
 if __name__ == "__main__":

@@ -10,9 +10,10 @@ only the anchor receives gradient; SGD with ``lr = eta`` and ``weight_decay = la
 ``lambda/2 ||W||^2``, default ``lambda = d^-1.75``: the paper's range stalls stage III at small d).
 
 Bias (spec 3.3): ``bias_mode="schedule"`` (default) keeps ``b = 0`` until T1 (first step with
-``min_i rho_i >= 1/2``), resets ``b_i = beta0 sqrt(2 log d / d) ||w_i||`` and then grows it by
-``max(c_b eta/d, ||w_i^{t+1}||/||w_i^t|| - 1)`` per step, capped at ``kappa_b ||w_i||``;
-``"zero"`` keeps ``b = 0`` (linear network; the no-augmentation baseline); ``"learned"`` trains ``b`` by
+``min_i rho_i >= 1/2``; or a fixed ``bias_reset_step``, the same for every run), resets
+``b_i = beta0 sqrt(2 log d / d) ||w_i||`` and then grows it by ``max(c_b eta/d, ||w_i^{t+1}||/||w_i^t|| - 1)``
+per step, capped at ``kappa_b ||w_i||``;
+``"zero"`` keeps ``b = 0`` (linear network: the linear control); ``"learned"`` trains ``b`` by
 SGD (ablation of footnote 4; ``clamp_bias_nonneg`` optional). The bias update is part of
 each optimisation step (``finish_step``), so checkpoints never hold a half-finished step.
 
@@ -50,6 +51,7 @@ __all__ = [
     "infonce_naive",
     "infonce_grad_closed_form",
     "feature_metrics",
+    "active_threshold",
     "ridge_probe",
     "logistic_probe",
 ]
@@ -211,6 +213,22 @@ def logistic_probe(f_train: torch.Tensor, y_train: torch.Tensor, f_test: torch.T
         return float(((xte @ w + b > 0) == yte).double().mean())
 
 
+def active_threshold(bias: torch.Tensor, norm: torch.Tensor, d: int) -> torch.Tensor:
+    """Per-neuron threshold of the active sets ``N_i = {j : |alpha_ij| >= max(b_i, sqrt(2 log d/d) ||w_i||)}``.
+
+    One definition for every bias mode, so singleton counts compare across settings: an atom must both
+    pass the bias (the neuron fires on it alone, spec 5.1) and stand out of the ``sqrt(2 log d / d)``
+    level that the largest of ``d`` random coefficients reaches. The schedule's reset puts ``b`` exactly
+    at that level (beta0 = 1), so after T1 the bias decides; for ``b <= 0`` (linear control, a learned
+    bias gone negative) the norm level does, which is the spec's ``b = 0`` rule.
+
+    Example:
+        >>> active_threshold(torch.tensor([0.0, 1.0]), torch.tensor([2.0, 2.0]), 32).tolist()  # doctest: +ELLIPSIS
+        [0.93..., 1.0]
+    """
+    return torch.maximum(bias.float(), math.sqrt(2 * math.log(d) / d) * norm.float())
+
+
 @torch.no_grad()
 def feature_metrics(w: torch.Tensor, bias: torch.Tensor, M: torch.Tensor, temperature: float) -> dict:
     """Spec 5.1 quantities from weights ``[m, d1]``, biases ``[m]`` and dictionary ``[d1, d]``.
@@ -224,10 +242,7 @@ def feature_metrics(w: torch.Tensor, bias: torch.Tensor, M: torch.Tensor, temper
     norm2 = (w.float() ** 2).sum(1).clamp_min(1e-30)
     sparse_frac = (alpha ** 2).sum(1) / norm2
     top_align = alpha.abs().amax(1) / norm2.sqrt()
-    pos_b = bias > 0
-    by_bias = alpha.abs() >= bias.unsqueeze(1)
-    by_norm = alpha ** 2 >= (2 * math.log(d) / d) * norm2.unsqueeze(1)
-    active = torch.where(pos_b.unsqueeze(1), by_bias, by_norm)
+    active = alpha.abs() >= active_threshold(bias, norm2.sqrt(), d).unsqueeze(1)
     sizes = active.sum(1)
     singleton = sizes == 1
     covered = torch.zeros(d, dtype=torch.bool, device=w.device)
@@ -260,6 +275,9 @@ class ContrastiveModule(FeatureLearningModule):
         bias_mode: ``"schedule"`` (paper), ``"zero"`` (linear network) or ``"learned"`` (ablation).
         bias_reset_mult: ``beta0`` of the reset at T1. bias_cap_ratio: ``kappa_b`` (``None``: ``log d/sqrt d``).
         bias_min_rate_mult: ``c_b`` in the minimum growth rate ``c_b eta / d``.
+        bias_reset_step: reset the scheduled bias at this step instead of at T1. T1 (``min_i rho_i >= 1/2``)
+            depends on the run: without augmentation and with large ``d1/d`` it never comes, so the bias
+            stays 0; a fixed step puts runs with and without augmentation on the same bias clock.
         clamp_bias_nonneg: clamp a learned bias at 0 after each step.
         loss_chunk_size: negatives per block in the streamed loss (``None``: all at once).
         backend: soft-threshold layer backend (``auto``/``torch``/``triton``). allow_tf32: TF32 GEMMs in Triton.
@@ -283,6 +301,7 @@ class ContrastiveModule(FeatureLearningModule):
         bias_reset_mult: NonNegativeFloat = 1.0,
         bias_cap_ratio: PositiveFloat | None = None,
         bias_min_rate_mult: NonNegativeFloat = 1.0,
+        bias_reset_step: PositiveInt | None = None,
         clamp_bias_nonneg: bool = False,
         loss_chunk_size: PositiveInt | None = None,
         backend: Literal["auto", "torch", "triton"] = "auto",
@@ -396,10 +415,12 @@ class ContrastiveModule(FeatureLearningModule):
         if self.T1 is None and float(rho.min()) >= 0.5:
             self.T1 = step
             self.norm_T1.copy_(norm)
-            if hp.bias_mode == "schedule":
-                self.bias.copy_(hp.bias_reset_mult * math.sqrt(2 * math.log(self.d) / self.d) * norm)
             self._log_scalar("stage/T1", step)
-        elif self.T1 is not None and hp.bias_mode == "schedule" and self._prev_norm is not None:
+        reset = step == (hp.bias_reset_step if hp.bias_reset_step is not None else self.T1)
+        if hp.bias_mode == "schedule" and reset:
+            self.bias.copy_(hp.bias_reset_mult * math.sqrt(2 * math.log(self.d) / self.d) * norm)
+        elif hp.bias_mode == "schedule" and self._prev_norm is not None:
+            # multiplicative growth: a no-op while b = 0, i.e. before the reset
             rate = torch.clamp_min(norm / self._prev_norm.clamp_min(1e-30) - 1.0,
                                    hp.bias_min_rate_mult * hp.lr / self.d)
             cap = self.kappa_b * norm

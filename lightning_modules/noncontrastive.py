@@ -472,7 +472,8 @@ def gradient_needs_gaussian(gradient: str, dm) -> bool:
 
 
 def _population_chunk_fn(features, alphas, probs, num_patches, num_feature_patches, noise_std, lr, chunk):
-    """``k`` population-GD steps on (w [S, m, d], e [S, m, m]); ``head_step [S, m, m]`` = eta_E * mask."""
+    """``k`` population-GD steps on (w [S, m, d], e [S, m, m]); ``head_step [S, m, m]`` = eta_E * mask;
+    ``peak`` carries max |E| over every step, since E21 can rise and fall between two records."""
     from torch.func import grad_and_value
 
     def total(w, e):
@@ -481,12 +482,13 @@ def _population_chunk_fn(features, alphas, probs, num_patches, num_feature_patch
 
     gv = grad_and_value(total, argnums=(0, 1))
 
-    def run(w, e, head_step):
+    def run(w, e, head_step, peak):
         for _ in range(chunk):
             (gw, ge), _ = gv(w, e)
             w = w - lr * gw
             e = e - head_step * ge
-        return w, e
+            peak = torch.maximum(peak, e.abs())
+        return w, e, peak
 
     return run
 
@@ -503,7 +505,8 @@ def simulate_population(w0: torch.Tensor, features: torch.Tensor, alphas, probs,
     after a one-off compile of a minute or two); ``record_every`` must then be a multiple of ``chunk``.
 
     Returns ``steps [T]``, ``cos [T, S, m, K]``, ``B [T, S, m, K]``, ``R [T, S, m]``, ``E [T, S, m, m]``,
-    ``loss [T, S]`` recorded every ``record_every`` steps (and at the end), and the final ``w``, ``head``.
+    ``loss [T, S]`` recorded every ``record_every`` steps (and at the end), the final ``w``, ``head``, and
+    ``E_peak [S, m, m]``, max |E| over every step (not only the recorded ones).
 
     Example:
         >>> w0 = torch.randn(3, 2, 10, dtype=torch.float64) / 10 ** 0.5
@@ -525,6 +528,7 @@ def simulate_population(w0: torch.Tensor, features: torch.Tensor, alphas, probs,
     head_step = torch.stack([head_lr * masks[h] for h in heads])
     w = w0.clone()
     e = eye.expand(s, m, m).clone()
+    peak = e.abs()
     k = chunk if compile else 1
     run = _population_chunk_fn(feats, list(alphas), list(probs), num_patches, num_feature_patches,
                                float(noise_std), float(lr), k)
@@ -550,10 +554,10 @@ def simulate_population(w0: torch.Tensor, features: torch.Tensor, alphas, probs,
         if t + k > steps:  # tail shorter than a chunk: eager single steps
             run, k = _population_chunk_fn(feats, list(alphas), list(probs), num_patches,
                                           num_feature_patches, float(noise_std), float(lr), 1), 1
-        w, e = run(w, e, head_step)
+        w, e, peak = run(w, e, head_step, peak)
         t += k
         if t % record_every == 0 or t == steps:
             record(t)
     out = {key: torch.stack(v) if key != "steps" else torch.tensor(v) for key, v in rec.items()}
-    out["w"], out["head"] = w, e
+    out["w"], out["head"], out["E_peak"] = w, e, peak
     return out

@@ -99,3 +99,23 @@ def test_stage_one_sparse_growth_rate():
     slope = float(((t - t.mean()) * (y - y.mean())).sum() / ((t - t.mean()) ** 2).sum())
     pred = math.log(1 + 2.0 * (1024 / 1025) * dm.p * (1 - dm.d / dm.d1) - 2.0 * model.lam)
     assert abs(slope / pred - 1) < 0.15, (slope, pred)
+
+
+@pytest.mark.parametrize("argv, option", [
+    (["--d", "2"], "--d"),
+    (["--sweep-d", "32", "3"], "--sweep-d"),
+    (["--d", "32", "--d1", "16"], "--d1"),
+    (["--sweep-d", "32", "--steps", "5"], "--sweep-d"),
+    (["--steps", "0"], "--steps"),
+    (["--width-mult", "nan"], "--width-mult"),
+    (["--settings", "random_mask,nope"], "--settings"),
+    (["--seed", "1", "1"], "--seed"),
+    (["--bias-reset-step", "0"], "--bias-reset-step"),
+    (["--combine", "runs/x", "--d", "32"], "--combine"),
+])
+def test_experiment_cli_names_the_bad_option(argv, option, capsys):
+    from featlearn.experiments.contrastive import main
+
+    with pytest.raises(SystemExit):
+        main(argv)
+    assert f"error: {option}" in capsys.readouterr().err

@@ -61,6 +61,22 @@ def test_view_and_offclass_frequencies(dm):
     assert abs(torch.bincount(b["y"], minlength=dm.k).double() / n - 1 / dm.k).max() < 4 * math.sqrt(1 / dm.k / n)
 
 
+@pytest.mark.parametrize("mu, eval_mu", [(0.0, 0.5), (0.05, None)])
+def test_eval_splits_have_their_own_single_view_share(mu, eval_mu):
+    """Training draws single-view samples with probability mu, val/test with eval_mu (default mu), so
+    single-view accuracy can be measured on thousands of samples while the training share is tiny."""
+    dm = MultiViewDataModule(k=4, d=16, P=10, s=1, mu=mu, eval_mu=eval_mu, num_pretrain=4000, num_val=4000,
+                             num_test=4000)
+    expected = {"train": mu, "val": mu if eval_mu is None else eval_mu, "test": mu if eval_mu is None else eval_mu}
+    for split, p in expected.items():
+        share = dm.full(split)["single_view"].double().mean()
+        assert abs(share - p) <= 4 * math.sqrt(p * (1 - p) / 4000), (split, float(share), p)
+    if eval_mu is not None:  # the other draws of a split do not depend on eval_mu
+        plain = MultiViewDataModule(k=4, d=16, P=10, s=1, mu=mu, num_pretrain=4000, num_val=4000, num_test=4000)
+        assert torch.equal(plain.full("test")["y"], dm.full("test")["y"])
+        assert torch.equal(plain.full("train")["x"], dm.full("train")["x"])
+
+
 def test_noise_std(dm):
     b = dm.full("train")
     z = coefficients(dm, b)

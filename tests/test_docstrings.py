@@ -1,0 +1,16 @@
+"""The usage examples in docstrings run and print what they say."""
+import doctest
+import importlib
+
+import pytest
+
+MODULES = ["featlearn.experiments.common", "featlearn.experiments.mrp", "featlearn.datamodules.multiview",
+           "featlearn.lightning_modules.mrp", "featlearn.lightning_modules.multiview_classifier",
+           "featlearn.lightning_modules.multiview_encoder", "featlearn.errors"]
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_docstring_examples(name, one_thread):
+    result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0, f"{name} has no examples"
+    assert result.failed == 0
