@@ -94,11 +94,37 @@ def write_results(out: Path, stem: str, results: dict, table: str) -> None:
     print(f"\nwrote {out / (stem + '.json')} and {out / (stem + '.md')}")
 
 
+def _seed(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {value}")
+    return value
+
+
+def _threads(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def add_seed_argument(parser: argparse.ArgumentParser, default: tuple[int, ...] = (0,)) -> None:
-    """``--seed S [S ...]``: the option every experiment shares; several seeds report mean and range."""
-    parser.add_argument("--seed", type=int, nargs="+", default=list(default),
-                        help=f"one seed or several (default {' '.join(map(str, default))}); several give per-seed "
-                             f"results and a table of mean (min-max)")
+    """``--seed S [S ...]`` and ``--threads N``: the options every experiment shares; several seeds report
+    mean and range. Seeds must be distinct and non-negative (a repeated seed would rerun into the same
+    folder and count twice); call :func:`check_seeds` after parsing."""
+    parser.add_argument("--seed", type=_seed, nargs="+", default=list(default),
+                        help=f"one seed or several, distinct (default {' '.join(map(str, default))}); several give "
+                             f"per-seed results and a table of mean (min-max)")
+    parser.add_argument("--threads", type=_threads, default=1,
+                        help="torch CPU threads (default 1: these sizes run fastest on one thread of a busy 2-core machine)")
+
+
+def check_seeds(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse repeated seeds, naming the option, and apply ``--threads``."""
+    repeated = sorted({s for s in args.seed if args.seed.count(s) > 1})
+    if repeated:
+        parser.error(f"--seed: seeds must be distinct, got {repeated} more than once")
+    torch.set_num_threads(args.threads)
 
 
 def mean_range(values: list, fmt: str = "{:.3f}") -> object:

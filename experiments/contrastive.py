@@ -53,8 +53,8 @@ from pathlib import Path
 
 import torch
 
-from featlearn.experiments.common import (CONFIGS, add_output_arguments, add_seed_argument, build, markdown_table,
-                                         mean_range, output_dir, quiet_lightning, write_results)
+from featlearn.experiments.common import (CONFIGS, add_output_arguments, add_seed_argument, build, check_seeds,
+                                         markdown_table, mean_range, output_dir, quiet_lightning, write_results)
 
 SETTINGS = sorted(p.stem for p in (CONFIGS / "contrastive").glob("*.yaml"))
 DEFAULT_SETTINGS = ("random_mask", "no_augmentation", "linear_control", "coordinate_control")
@@ -255,7 +255,6 @@ def main(argv=None) -> list[dict]:
                         help="run every setting at each d (sizes by the rule) and write sweep_d.md")
     parser.add_argument("--combine", type=Path, nargs="+", metavar="DIR",
                         help="write one sweep_d table from earlier runs' results.json / sweep_d.json (no training)")
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (0 = leave torch's default)")
     parser.add_argument("--settings", help=f"comma-separated subset of {SETTINGS} (configs/contrastive/*.yaml); "
                                            f"default {','.join(DEFAULT_SETTINGS)}, with --sweep-d "
                                            f"{','.join(SWEEP_SETTINGS)}")
@@ -296,14 +295,9 @@ def main(argv=None) -> list[dict]:
         parser.error(f"--steps: must be a positive integer, got {args.steps}")
     if args.bias_reset_step is not None and args.bias_reset_step < 1:
         parser.error(f"--bias-reset-step: must be a positive integer, got {args.bias_reset_step}")
-    if args.threads < 0:
-        parser.error(f"--threads: must be >= 0, got {args.threads}")
-    if len(set(args.seed)) != len(args.seed):
-        parser.error(f"--seed: seeds must be distinct, got {args.seed}")
+    check_seeds(parser, args)
 
     quiet_lightning()
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
     out = output_dir(args.out, args.overwrite)
     results = []
     for d in ds:

@@ -11,15 +11,16 @@ fine-tunes the encoder with ``finetune.yaml`` on the labelled downstream set, tr
 from scratch on the same downstream set, and tests both on one test set split by view type.
 
 Equal terms: both encoders share q, sigma0 and m (``shared`` in ``configs/mrp/experiment.yaml``); with
-``--grid`` each method is also run at every point of the same grid (q x lr scale) and the point with the
+``--grid`` each method is also run at every point of the same grid (``grid`` in the YAML: q values x lr
+scales of pretraining for MRP and of training for SL; shipped: q = 3, lr x 0.5, 1, 2) and the point with the
 best balanced validation accuracy (mean of multi- and single-view) is reported beside the shared one.
 
 Size rule (:func:`size_rule`): m = max(4, ceil(2.5 ln k)) kernels per class (the theory's polylog(k) <= m; with
 m = 4 at k = 10, 2 of 3 seeds lost a feature's lottery),
 N = 100 k pretraining and N2 = 50 k labelled samples (N2 >= k, Assumption 2); step sizes grow with k
 because every feature sits in about 1/k of the samples, so its gradient is Theta(eta / k) (spec 4.3):
-pretraining eta = k/2, fine-tuning eta_1 = k/100 and eta_2 = k (spec 3.4), supervised eta = 2k, each
-times the grid's lr scale. Budgets: pretraining stops 200 steps after every feature is captured (at most
+pretraining eta = k/2 and supervised eta = 2k, each times the grid's lr scale, and fine-tuning
+eta_1 = k/100, eta_2 = k (spec 3.4; not tuned: it is part of the MRP protocol whose pretraining is). Budgets: pretraining stops 200 steps after every feature is captured (at most
 3000 + 300 k / 10 steps), fine-tuning 300 steps, supervised learning 1500 steps.
 
 Writes ``mrp_table.{md,json}`` (and, with several seeds, per-seed rows in the JSON) beside the logs.
@@ -31,14 +32,15 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import torch
 import yaml
 
 from featlearn.errors import DivergenceError
-from featlearn.experiments.common import (CONFIGS, add_output_arguments, add_seed_argument, build, markdown_table,
-                                         mean_range, output_dir, quiet_lightning, scalars, write_results)
+from featlearn.experiments.common import (CONFIGS, add_output_arguments, add_seed_argument, build, check_seeds,
+                                         markdown_table, mean_range, output_dir, quiet_lightning, scalars, write_results)
 
 SETTINGS = yaml.safe_load((CONFIGS / "mrp" / "experiment.yaml").read_text())
+DATA = yaml.safe_load((CONFIGS / "mrp" / "data_tiny.yaml").read_text())["init_args"]  # fixed data constants (s, C_p)
+KNOBS = ("k", "d", "P", "m", "N", "N2")
 
 
 @dataclass(frozen=True)
@@ -65,7 +67,8 @@ def size_rule(k: int, d: int = 256, P: int = 16, m: int | None = None, N: int | 
         >>> size_rule(32).m
         9
     """
-    return Size(k, d, P, m or max(4, math.ceil(2.5 * math.log(k))), N or 100 * k, N2 or 50 * k)
+    return Size(k, d, P, max(4, math.ceil(2.5 * math.log(k))) if m is None else m, 100 * k if N is None else N,
+                50 * k if N2 is None else N2)
 
 
 def step_sizes(size: Size, lr_scale: float) -> dict[str, float]:
@@ -108,17 +111,15 @@ def _fit(config: str, out: Path, name: str, overrides: list[str]):
     return cli
 
 
-def mrp(out: Path, size: Size, mu: float, seed: int, q: int, sigma0: float, lr_scale: float,
-        max_steps: int | None = None) -> dict:
-    """Pretrain (at most ``max_steps``, default by the size rule) and fine-tune: the pretraining row and the
-    fine-tuning row of the table."""
+def mrp(out: Path, size: Size, mu: float, seed: int, q: int, sigma0: float, lr_scale: float) -> dict:
+    """Pretrain and fine-tune: the pretraining row and the fine-tuning row of the table."""
     start, lrs = time.time(), step_sizes(size, lr_scale)
     tag = f"q{q}_lr{lr_scale:g}"
     data = _data_overrides(size, mu, seed)
     pre = _fit("mrp/teacher_student.yaml", out, f"pretrain_{tag}", [
         *data, "--model.init_args.q", str(q), "--model.init_args.sigma0", str(sigma0), "--model.init_args.m",
         str(size.m), "--model.init_args.lr", str(lrs["pretrain"]),
-        "--trainer.max_steps", str(max_steps or 3000 + 30 * size.k)])
+        "--trainer.max_steps", str(3000 + 30 * size.k)])
     if pre is None:
         return {"pretrain": {"diverged": True}, "finetune": {"diverged": True}}
     metrics = scalars(pre.trainer.callback_metrics)
@@ -199,29 +200,32 @@ UNDEFINED = {"MRP pretraining": _DOWNSTREAM_ONLY, "MRP + fine-tuning": {"all cap
 
 
 def summarise(per_seed: dict[int, dict]) -> dict[str, dict]:
-    """Rows over seeds: ``mean (min-max)`` of every numeric column, kernel counts and grid points per seed."""
+    """Rows over seeds: ``mean (min-max)`` of every numeric column over the seeds whose run did not diverge
+    (the grid-point cell says how many did), kernel counts and grid points per seed."""
     seeds = list(per_seed)
     out = {}
     for name in per_seed[seeds[0]]:
         if name == "grid":
             continue
         runs = [per_seed[s][name] for s in seeds]
+        kept = [r for r in runs if not r.get("diverged")]
         row = {}
         for column in COLUMNS:
-            values = [r.get(column) for r in runs]
-            if column in UNDEFINED.get(name, ()) or any(r.get("diverged") for r in runs):
-                row[column] = "n/a" if column in UNDEFINED.get(name, ()) else "diverged"
-            elif column == "all captured by step" and name == "MRP pretraining":
+            values = [r.get(column) for r in kept]
+            if column in UNDEFINED.get(name, ()) or not kept:
+                row[column] = "n/a"
+            elif column == "all captured by step":
                 done = [v for v in values if v is not None]  # seeds that never captured every feature have no step
                 row[column] = (f"{mean_range(done, '{:.0f}')} ({len(done)}/{len(values)} seeds)" if done
                                else f"never (0/{len(values)} seeds)")
             elif column in NUMERIC:
-                fmt = "{:.0f}" if column in ("all captured by step", "steps") else "{:.3f}"
-                row[column] = mean_range(values, fmt)
+                row[column] = mean_range(values, "{:.0f}" if column == "steps" else "{:.3f}")
             else:
                 row[column] = ", ".join(str(v) for v in values)
         points = [r.get("point") for r in runs]
         row["point"] = points[0] if len(set(points)) == 1 else "; ".join(f"seed {s}: {p}" for s, p in zip(seeds, points))
+        if len(kept) < len(runs):
+            row["point"] += f" ({len(runs) - len(kept)}/{len(runs)} seeds diverged)"
         out[name] = row
     return out
 
@@ -244,39 +248,44 @@ def table(groups: dict[str, dict[str, dict]]) -> str:
     return markdown_table(rows, ["point", *COLUMNS])
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def parse_args(argv=None) -> tuple[argparse.Namespace, list[Size]]:
+    """Options and the sizes they name; every bad value is refused here, naming the option, before any run."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_output_arguments(parser, "runs/mrp")
     add_seed_argument(parser)
     parser.add_argument("--preset", nargs="+", choices=sorted(SETTINGS["presets"]), default=None,
                         help="named sizes from configs/mrp/experiment.yaml (default tiny)")
-    for knob in ("k", "d", "P", "m", "N", "N2"):
-        parser.add_argument(f"--{knob}", type=int, default=None, help=f"size knob {knob} (overrides the preset)")
+    for knob in KNOBS:
+        parser.add_argument(f"--{knob}", type=int, default=None, help=f"size knob {knob} (overrides the preset's)")
     parser.add_argument("--mu", type=float, nargs="+", default=[0.02],
                         help="share of single-view samples in pretraining and downstream training (default 0.02)")
     parser.add_argument("--grid", action="store_true", help="also run each method over the grid and report its best")
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: the sizes here run "
-                                                                "fastest on one thread of a busy 2-core machine)")
     args = parser.parse_args(argv)
-    for knob in ("k", "d", "P", "m", "N", "N2"):
-        value = getattr(args, knob)
-        if value is not None and value < (2 if knob == "k" else 1):
-            parser.error(f"--{knob}: must be at least {2 if knob == 'k' else 1}, got {value}")
-    if args.threads < 1:
-        parser.error(f"--threads: must be at least 1, got {args.threads}")
+    check_seeds(parser, args)
+    for option, values in (("--preset", args.preset or []), ("--mu", [f"{mu:g}" for mu in args.mu])):
+        if len(set(values)) != len(values):
+            parser.error(f"{option}: values must be distinct, got {values}")
     if any(not 0 <= mu <= 1 for mu in args.mu):
         parser.error(f"--mu: must be in [0, 1], got {args.mu}")
-    if args.preset and any(getattr(args, k) is not None for k in ("k",)) and len(args.preset) > 1:
-        parser.error("--k: give either one size with --k or several presets, not both")
-    return args
+    if args.k is not None and args.preset:
+        parser.error("--k: give the size either with --k or with --preset, not both")
+    sizes = sizes_of(args)
+    smallest_P = DATA["C_p"] * (2 + 4 * DATA["s"])
+    for size in sizes:
+        for option, value, low, why in (("--k", size.k, 2, ""), ("--m", size.m, 1, ""), ("--N", size.N, 1, ""),
+                                        ("--d", size.d, 2 * size.k, f" (2k for k = {size.k})"),
+                                        ("--P", size.P, smallest_P, " (C_p (2 + 4 s) patches)"),
+                                        ("--N2", size.N2, size.k, f" (N2 >= k = {size.k}, Assumption 2)")):
+            if value < low:
+                parser.error(f"{option}: must be at least {low:g}{why}, got {value}")
+    return args, sizes
 
 
 def sizes_of(args) -> list[Size]:
-    knobs = {k: getattr(args, k) for k in ("d", "P", "m", "N", "N2") if getattr(args, k) is not None}
-    if args.k is not None and not args.preset:
+    knobs = {k: getattr(args, k) for k in KNOBS if k != "k" and getattr(args, k) is not None}
+    if args.k is not None:
         return [size_rule(args.k, **knobs)]
-    presets = [dict(SETTINGS["presets"][p]) for p in (args.preset or ["tiny"])]
-    return [size_rule(**{**p, **({"k": args.k} if args.k else {}), **knobs}) for p in presets]
+    return [size_rule(**{**SETTINGS["presets"][p], **knobs}) for p in (args.preset or ["tiny"])]
 
 
 def report(out: Path, results: list[dict], command: str) -> dict[str, dict]:
@@ -299,13 +308,8 @@ def report(out: Path, results: list[dict], command: str) -> dict[str, dict]:
 
 
 def main(argv=None) -> dict:
-    args = parse_args(argv)
-    sizes = sizes_of(args)
-    for size in sizes:  # refuse impossible sizes before any run starts
-        if size.d < 2 * size.k:
-            raise SystemExit(f"error: --d: must be at least 2k = {2 * size.k} for k = {size.k}, got {size.d}")
+    args, sizes = parse_args(argv)
     quiet_lightning()
-    torch.set_num_threads(args.threads)
     out = output_dir(args.out, args.overwrite)
     results = [{"size": asdict(size), "mu": mu, "seeds": args.seed,
                 "per_seed": {seed: run(out / f"k{size.k}_mu{mu:g}" / f"seed{seed}", size, mu, seed, args.grid)

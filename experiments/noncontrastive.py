@@ -42,7 +42,7 @@ import time
 import torch
 
 from featlearn.datamodules.two_feature_patches import TwoFeaturePatchDataModule
-from featlearn.experiments.common import add_output_arguments, add_seed_argument, mean_range, output_dir
+from featlearn.experiments.common import add_output_arguments, add_seed_argument, check_seeds, mean_range, output_dir
 from featlearn.lightning_modules.noncontrastive import (NonContrastiveModule, PhaseTracker, feature_outcome,
                                                         representation_correlation, simulate_population)
 
@@ -202,8 +202,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
 def _positive(kind):
     def parse(text):
         value = kind(text)
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        if not 0 < value < math.inf:
+            raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
         return value
     return parse
 
@@ -223,12 +223,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--trajectory-seeds", type=int, default=4,
                     help="seeds whose E21 trajectory is saved in the JSON (default 4)")
     ap.add_argument("--no-compile", action="store_true")
-    ap.add_argument("--threads", type=_positive(int), default=1, help="torch threads (tiny tensors: 1 is fastest)")
     args = ap.parse_args(argv)
-    if min(args.seed) < 0:
-        ap.error(f"--seed: seeds must be >= 0, got {min(args.seed)}")
-    if len(set(args.seed)) != len(args.seed):
-        ap.error(f"--seed: repeated seed {next(s for s in args.seed if args.seed.count(s) > 1)}")
+    check_seeds(ap, args)
     if args.dim is not None and min(args.dim) < 4:
         ap.error(f"--dim: must be >= 4 (two features and noise room for two neurons), got {min(args.dim)}")
     p0 = DEMO_A["num_feature_patches"]
@@ -305,7 +301,6 @@ def _compact_json(obj: dict) -> str:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    torch.set_num_threads(args.threads)
     out_dir = output_dir(args.out, args.overwrite)
     t0 = time.time()
     rows, size_meta, trajs = [], [], []

@@ -84,7 +84,7 @@ def test_cli_last_checkpoint_is_the_final_state_and_fine_tunes_like_a_final_save
     assert last["global_step"] == 15                               # not 10, the last periodic save
     assert last["state_dict"]["weight"].norm(dim=1).max() <= 1.0 + 1e-6
     data = MultiViewDataModule(num_downstream=64, num_test=64)
-    encoders = [MultiViewClassifier(pretrained=str(path), m=4).attach(data).weight.detach()
+    encoders = [MultiViewClassifier(pretrained=str(path), m=cli.model.m).attach(data).weight.detach()
                 for path in (last_path, tmp_path / "pretrained.ckpt")]
     torch.testing.assert_close(encoders[0], encoders[1], rtol=0, atol=0)
     torch.testing.assert_close(encoders[0], cli.model.weight.detach(), rtol=0, atol=0)

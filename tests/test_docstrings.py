@@ -6,7 +6,8 @@ import pytest
 
 MODULES = ["featlearn.experiments.common", "featlearn.experiments.mrp", "featlearn.datamodules.multiview",
            "featlearn.lightning_modules.mrp", "featlearn.lightning_modules.multiview_classifier",
-           "featlearn.lightning_modules.multiview_encoder", "featlearn.errors"]
+           "featlearn.lightning_modules.multiview_encoder", "featlearn.errors",
+           "featlearn.lightning_modules.contrastive", "featlearn.lightning_modules.noncontrastive"]
 
 
 @pytest.mark.parametrize("name", MODULES)

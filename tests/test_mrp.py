@@ -134,3 +134,20 @@ def test_margin_is_negative_exactly_for_misclassified_samples():
     sorted_logits = logits.sort(1, descending=True).values
     best_other = torch.where(logits.argmax(1) == y, sorted_logits[:, 1], sorted_logits[:, 0])
     torch.testing.assert_close(margin, logits.gather(1, y[:, None]).squeeze(1) - best_other)
+
+
+@pytest.mark.parametrize("options, needle", [
+    ("--k 10 --d 10", "--d: must be at least 20"), ("--seed 1 1", "--seed: seeds must be distinct"),
+    ("--seed -1", "--seed: must be a non-negative"), ("--P 5", "--P: must be at least 10"),
+    ("--k 10 --N2 3", "--N2: must be at least 10"), ("--m 0", "--m: must be at least 1"),
+    ("--mu 0.02 0.02", "--mu: values must be distinct"), ("--mu 1.5", "--mu: must be in [0, 1]"),
+    ("--preset tiny tiny", "--preset: values must be distinct"), ("--k 3 --preset k8", "--k: give the size"),
+    ("--preset k7", "--preset: invalid choice"), ("--threads 0", "--threads: must be at least 1"),
+])
+def test_experiment_refuses_bad_options_before_any_run(options, needle, capsys, tmp_path):
+    from featlearn.experiments import mrp as experiment
+    with pytest.raises(SystemExit) as exit_info:
+        experiment.main([*options.split(), "--out", str(tmp_path / "out")])
+    assert exit_info.value.code == 2
+    assert needle in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()          # refused before the output folder is made
