@@ -295,6 +295,11 @@ def main(argv=None) -> list[dict]:
         parser.error(f"--steps: must be a positive integer, got {args.steps}")
     if args.bias_reset_step is not None and args.bias_reset_step < 1:
         parser.error(f"--bias-reset-step: must be a positive integer, got {args.bias_reset_step}")
+    if args.bias_reset_step is not None:
+        # a reset at or after the last step never happens: the "equal bias" runs would silently keep b = 0
+        steps = min(args.steps or size_rule(d, args.d1, args.width_mult)["steps"] for d in ds)
+        if args.bias_reset_step >= steps:
+            parser.error(f"--bias-reset-step: must be below the step budget {steps}, got {args.bias_reset_step}")
     check_seeds(parser, args)
 
     quiet_lightning()

@@ -110,7 +110,7 @@ def test_stage_one_sparse_growth_rate():
     (["--width-mult", "nan"], "--width-mult"),
     (["--settings", "random_mask,nope"], "--settings"),
     (["--seed", "1", "1"], "--seed"),
-    (["--bias-reset-step", "0"], "--bias-reset-step"),
+    (["--bias-reset-step", "0"], "--bias-reset-step"), (["--bias-reset-step", "40", "--steps", "30"], "--bias-reset-step"),
     (["--combine", "runs/x", "--d", "32"], "--combine"),
 ])
 def test_experiment_cli_names_the_bad_option(argv, option, capsys):

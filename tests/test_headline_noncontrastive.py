@@ -22,6 +22,11 @@ def test_head_gives_diverse_features_more_often(tmp_path):
     head, nohead = res["rows"]
     assert head["variant"].startswith("head") and nohead["variant"] == "no head"
     assert head["DIV"] - nohead["DIV"] >= MARGIN, (head["outcomes"], nohead["outcomes"])
+    # paired by seed (same W0): the head turns collapsed runs diverse and never the reverse;
+    # observed 6 seeds diverse only with the head, 0 only without it
+    pairs = list(zip(head["outcomes"].split(), nohead["outcomes"].split()))
+    assert len(pairs) == len(SEEDS)
+    assert sum(h == "DIV" != n for h, n in pairs) >= 4 and sum(n == "DIV" != h for h, n in pairs) <= 1, pairs
     assert nohead["peak_E21"] is None and nohead["rise_and_fall"] is None          # undefined, not 0
     assert head["rise_and_fall"] > 0
     assert (tmp_path / "nc" / "noncontrastive.md").read_text().count("n/a") >= 5
