@@ -111,7 +111,7 @@ def _threads(text: str) -> int:
 def add_seed_argument(parser: argparse.ArgumentParser, default: tuple[int, ...] = (0,)) -> None:
     """``--seed S [S ...]`` and ``--threads N``: the options every experiment shares; several seeds report
     mean and range. Seeds must be distinct and non-negative (a repeated seed would rerun into the same
-    folder and count twice); call :func:`check_seeds` after parsing."""
+    folder and count twice); call :func:`apply_shared_options` after parsing."""
     parser.add_argument("--seed", type=_seed, nargs="+", default=list(default),
                         help=f"one seed or several, distinct (default {' '.join(map(str, default))}); several give "
                              f"per-seed results and a table of mean (min-max)")
@@ -119,8 +119,9 @@ def add_seed_argument(parser: argparse.ArgumentParser, default: tuple[int, ...] 
                         help="torch CPU threads (default 1: these sizes run fastest on one thread of a busy 2-core machine)")
 
 
-def check_seeds(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Refuse repeated seeds, naming the option, and apply ``--threads``."""
+def apply_shared_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """After parsing the options of :func:`add_seed_argument`: refuse repeated seeds, naming the option, and
+    set the torch thread count from ``--threads``."""
     repeated = sorted({s for s in args.seed if args.seed.count(s) > 1})
     if repeated:
         parser.error(f"--seed: seeds must be distinct, got {repeated} more than once")

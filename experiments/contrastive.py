@@ -53,7 +53,7 @@ from pathlib import Path
 
 import torch
 
-from featlearn.experiments.common import (CONFIGS, add_output_arguments, add_seed_argument, build, check_seeds,
+from featlearn.experiments.common import (CONFIGS, add_output_arguments, add_seed_argument, build, apply_shared_options,
                                          markdown_table, mean_range, output_dir, quiet_lightning, write_results)
 
 SETTINGS = sorted(p.stem for p in (CONFIGS / "contrastive").glob("*.yaml"))
@@ -300,7 +300,7 @@ def main(argv=None) -> list[dict]:
         steps = min(args.steps or size_rule(d, args.d1, args.width_mult)["steps"] for d in ds)
         if args.bias_reset_step >= steps:
             parser.error(f"--bias-reset-step: must be below the step budget {steps}, got {args.bias_reset_step}")
-    check_seeds(parser, args)
+    apply_shared_options(parser, args)
 
     quiet_lightning()
     out = output_dir(args.out, args.overwrite)

@@ -35,7 +35,7 @@ from pathlib import Path
 import yaml
 
 from featlearn.errors import DivergenceError
-from featlearn.experiments.common import (CONFIGS, add_output_arguments, add_seed_argument, build, check_seeds,
+from featlearn.experiments.common import (CONFIGS, add_output_arguments, add_seed_argument, build, apply_shared_options,
                                          markdown_table, mean_range, output_dir, quiet_lightning, scalars, write_results)
 
 SETTINGS = yaml.safe_load((CONFIGS / "mrp" / "experiment.yaml").read_text())
@@ -77,11 +77,15 @@ def step_sizes(size: Size, lr_scale: float) -> dict[str, float]:
             "supervised": 2.0 * size.k * lr_scale}
 
 
+def _overrides(group: str, **values) -> list[str]:
+    """Command-line overrides ``--<group>.init_args.<key> <value>`` of a config."""
+    return [arg for key, value in values.items() for arg in (f"--{group}.init_args.{key}", str(value))]
+
+
 def _data_overrides(size: Size, mu: float, seed: int) -> list[str]:
-    values = {"k": size.k, "d": size.d, "P": size.P, "num_pretrain": size.N, "num_downstream": size.N2,
-              "mu": mu, "eval_mu": SETTINGS["eval_mu"], "num_val": SETTINGS["num_val"],
-              "num_test": SETTINGS["num_test"], "seed": seed}
-    return ["--seed_everything", str(seed), *(a for key, v in values.items() for a in (f"--data.init_args.{key}", str(v)))]
+    return ["--seed_everything", str(seed), *_overrides(
+        "data", k=size.k, d=size.d, P=size.P, num_pretrain=size.N, num_downstream=size.N2, mu=mu,
+        eval_mu=SETTINGS["eval_mu"], num_val=SETTINGS["num_val"], num_test=SETTINGS["num_test"], seed=seed)]
 
 
 def _encoder_row(metrics: dict, prefix: str) -> dict:
@@ -117,8 +121,7 @@ def mrp(out: Path, size: Size, mu: float, seed: int, q: int, sigma0: float, lr_s
     tag = f"q{q}_lr{lr_scale:g}"
     data = _data_overrides(size, mu, seed)
     pre = _fit("mrp/teacher_student.yaml", out, f"pretrain_{tag}", [
-        *data, "--model.init_args.q", str(q), "--model.init_args.sigma0", str(sigma0), "--model.init_args.m",
-        str(size.m), "--model.init_args.lr", str(lrs["pretrain"]),
+        *data, *_overrides("model", q=q, sigma0=sigma0, m=size.m, lr=lrs["pretrain"]),
         "--trainer.max_steps", str(3000 + 30 * size.k)])
     if pre is None:
         return {"pretrain": {"diverged": True}, "finetune": {"diverged": True}}
@@ -128,9 +131,7 @@ def mrp(out: Path, size: Size, mu: float, seed: int, q: int, sigma0: float, lr_s
                 if metrics["pretrain/frac_captured"] == 1 else None}
     ckpt = Path(pre.trainer.checkpoint_callback.last_model_path).resolve()  # the final state of pretraining
     ft = _fit("mrp/finetune.yaml", out, f"finetune_{tag}", [
-        *data, "--model.init_args.q", str(q), "--model.init_args.m", str(size.m),
-        "--model.init_args.pretrained", str(ckpt), "--model.init_args.lr", str(lrs["finetune"]),
-        "--model.init_args.lr_head", str(lrs["head"])])
+        *data, *_overrides("model", q=q, m=size.m, pretrained=ckpt, lr=lrs["finetune"], lr_head=lrs["head"])])
     if ft is None:
         return {"pretrain": pretrain, "finetune": {"diverged": True}}
     finetune = {**_encoder_row(scalars(ft.trainer.callback_metrics), "encoder"), **_evaluate(ft),
@@ -142,8 +143,8 @@ def supervised(out: Path, size: Size, mu: float, seed: int, q: int, sigma0: floa
     """Supervised learning from scratch with the same encoder: its row of the table."""
     start = time.time()
     sl = _fit("mrp/supervised.yaml", out, f"supervised_q{q}_lr{lr_scale:g}", [
-        *_data_overrides(size, mu, seed), "--model.init_args.q", str(q), "--model.init_args.sigma0", str(sigma0),
-        "--model.init_args.m", str(size.m), "--model.init_args.lr", str(step_sizes(size, lr_scale)["supervised"])])
+        *_data_overrides(size, mu, seed),
+        *_overrides("model", q=q, sigma0=sigma0, m=size.m, lr=step_sizes(size, lr_scale)["supervised"])])
     if sl is None:
         return {"diverged": True}
     return {**_encoder_row(scalars(sl.trainer.callback_metrics), "encoder"), **_evaluate(sl),
@@ -192,11 +193,10 @@ COLUMNS = ["features captured", "classes with both features", "pure / same-class
            "test acc multi-view", "test acc single-view", "val balanced acc", "all captured by step", "steps"]
 NUMERIC = ["features captured", "classes with both features", "test acc multi-view", "test acc single-view",
            "val balanced acc", "all captured by step", "steps"]
-# Columns a row cannot have: "n/a" there, never an empty cell or a zero.
-_DOWNSTREAM_ONLY = {"test acc multi-view", "test acc single-view", "val balanced acc"}
-UNDEFINED = {"MRP pretraining": _DOWNSTREAM_ONLY, "MRP + fine-tuning": {"all captured by step"},
-             "SL from scratch": {"all captured by step"}, "MRP + fine-tuning, best of grid": {"all captured by step"},
-             "SL from scratch, best of grid": {"all captured by step"}}
+# Columns a row cannot have: "n/a" there, never an empty cell or a zero. Pretraining has no classifier;
+# the capture step belongs to pretraining alone.
+UNDEFINED = {"MRP pretraining": {"test acc multi-view", "test acc single-view", "val balanced acc"}}
+PRETRAINING_ONLY = {"all captured by step"}
 
 
 def summarise(per_seed: dict[int, dict]) -> dict[str, dict]:
@@ -212,7 +212,7 @@ def summarise(per_seed: dict[int, dict]) -> dict[str, dict]:
         row = {}
         for column in COLUMNS:
             values = [r.get(column) for r in kept]
-            if column in UNDEFINED.get(name, ()) or not kept:
+            if column in UNDEFINED.get(name, PRETRAINING_ONLY) or not kept:
                 row[column] = "n/a"
             elif column == "all captured by step":
                 done = [v for v in values if v is not None]  # seeds that never captured every feature have no step
@@ -261,7 +261,7 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, list[Size]]:
                         help="share of single-view samples in pretraining and downstream training (default 0.02)")
     parser.add_argument("--grid", action="store_true", help="also run each method over the grid and report its best")
     args = parser.parse_args(argv)
-    check_seeds(parser, args)
+    apply_shared_options(parser, args)
     for option, values in (("--preset", args.preset or []), ("--mu", [f"{mu:g}" for mu in args.mu])):
         if len(set(values)) != len(values):
             parser.error(f"{option}: values must be distinct, got {values}")

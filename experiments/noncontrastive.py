@@ -42,7 +42,7 @@ import time
 import torch
 
 from featlearn.datamodules.two_feature_patches import TwoFeaturePatchDataModule
-from featlearn.experiments.common import add_output_arguments, add_seed_argument, check_seeds, mean_range, output_dir
+from featlearn.experiments.common import add_output_arguments, add_seed_argument, apply_shared_options, mean_range, output_dir
 from featlearn.lightning_modules.noncontrastive import (NonContrastiveModule, PhaseTracker, feature_outcome,
                                                         representation_correlation, simulate_population)
 
@@ -224,7 +224,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="seeds whose E21 trajectory is saved in the JSON (default 4)")
     ap.add_argument("--no-compile", action="store_true")
     args = ap.parse_args(argv)
-    check_seeds(ap, args)
+    apply_shared_options(ap, args)
     if args.dim is not None and min(args.dim) < 4:
         ap.error(f"--dim: must be >= 4 (two features and noise room for two neurons), got {min(args.dim)}")
     p0 = DEMO_A["num_feature_patches"]
