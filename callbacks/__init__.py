@@ -1,6 +1,7 @@
-"""Lightning callbacks shared by every method."""
+"""Callbacks every featlearn run gets from the CLI."""
 from featlearn.callbacks.checkpoint import FinalCheckpoint
 from featlearn.callbacks.divergence import DivergenceGuard
-from featlearn.callbacks.heatmap import HeatmapLogger, colorize
+from featlearn.callbacks.heatmap import HeatmapLogger
+from featlearn.callbacks.progress import StepProgressBar
 
-__all__ = ["DivergenceGuard", "FinalCheckpoint", "HeatmapLogger", "colorize"]
+__all__ = ["DivergenceGuard", "FinalCheckpoint", "HeatmapLogger", "StepProgressBar"]

@@ -1,35 +1,14 @@
-"""Log a module's heat maps (e.g. the neuron x feature correlation matrix) to TensorBoard as images."""
+"""Log a module's heat maps (e.g. the neuron x feature correlation matrix) to TensorBoard as figures."""
 import lightning as L
-import torch
-from lightning.pytorch.loggers import TensorBoardLogger
 
-
-def colorize(matrix: torch.Tensor, scale: float | None = None) -> torch.Tensor:
-    """Map a 2-D tensor to an RGB image ``[3, H, W]`` in [0, 1]: blue < 0 < red, white at 0.
-
-    ``scale`` is the value shown at full colour (default: max |entry|).
-
-    Example:
-        >>> colorize(torch.tensor([[-1.0, 0.0, 1.0]])).shape
-        torch.Size([3, 1, 3])
-    """
-    m = matrix.detach().float().cpu()
-    scale = scale or float(m.abs().max().clamp_min(1e-12))
-    v = (m / scale).clamp(-1, 1)
-    pos, neg = v.clamp_min(0), (-v).clamp_min(0)
-    return torch.stack([1 - neg, 1 - pos - neg, 1 - pos]).clamp(0, 1)
-
-
-def upscale(image: torch.Tensor, min_side: int = 256) -> torch.Tensor:
-    """Repeat pixels so a small matrix is readable in TensorBoard."""
-    factor = max(1, min_side // max(1, min(image.shape[1:])))
-    return image.repeat_interleave(factor, 1).repeat_interleave(factor, 2)
+from featlearn.metrics.figures import heatmap_figure
 
 
 class HeatmapLogger(L.Callback):
     """Every ``every_n_steps`` training steps (and at the end of fit) log ``pl_module.heatmaps()``.
 
-    Images go to ``heatmap/<name>`` in TensorBoard; rows are neurons, columns features.
+    Each matrix becomes a matplotlib figure under ``heatmap/<name>`` in TensorBoard's IMAGES tab, with the
+    module's axis labels (``heatmap_axes``), its fixed colour scale (``heatmap_scale``) and a colour bar.
 
     Example:
         >>> trainer = L.Trainer(callbacks=[HeatmapLogger(every_n_steps=100)])  # doctest: +SKIP
@@ -39,11 +18,13 @@ class HeatmapLogger(L.Callback):
         self.every_n_steps = every_n_steps
 
     def _log(self, trainer, pl_module) -> None:
-        loggers = [lg for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)]
-        if not loggers or trainer.global_rank != 0:
+        if trainer.global_rank != 0:
             return
+        ylabel, xlabel = pl_module.heatmap_axes
         for name, matrix in pl_module.heatmaps().items():
-            loggers[0].experiment.add_image(f"heatmap/{name}", upscale(colorize(matrix)), trainer.global_step)
+            figure = heatmap_figure(matrix, xlabel=xlabel, ylabel=ylabel, vmax=pl_module.heatmap_scale,
+                                    title=f"{name}, step {trainer.global_step}")
+            pl_module.log_figure(f"heatmap/{name}", figure)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if trainer.global_step % self.every_n_steps == 0:

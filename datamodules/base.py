@@ -29,6 +29,7 @@ from typing import Literal
 
 import lightning as L
 import torch
+from lightning.fabric.utilities.data import AttributeDict
 from torch.utils.data import DataLoader, Dataset
 
 from featlearn.datamodules import rng
@@ -92,6 +93,13 @@ class SyntheticDataModule(L.LightningDataModule):
         self.sizes = {"train": num_train, "val": num_val, "test": num_test}
         self.steps_per_epoch = steps_per_epoch
         self._cache: dict[tuple[str, str], dict] = {}
+        self.save_hyperparameters()  # every subclass's arguments too: they reach TensorBoard's HPARAMS tab
+
+    @property
+    def hparams_initial(self):
+        """The data's arguments as ``data.<name>``, so that they sit beside the model's in the HPARAMS tab
+        without clashing with model arguments of the same name (``rho``, ``seed``)."""
+        return AttributeDict({f"data.{k}": v for k, v in super().hparams_initial.items() if not k.startswith("_")})
 
     @staticmethod
     def check_memory(func, sizes: dict, mode: str, batch_size: int | None, num_train: int, num_val: int,

@@ -1,4 +1,16 @@
-"""Run configs through the featlearn CLI from Python and write result tables (shared by all experiments)."""
+"""What every experiment shares: its command line, building runs from the YAML configs, progress over
+fits, and the output files (the table as markdown and JSON, and PNG figures).
+
+An experiment is a module ``featlearn.experiments.<name>`` with a ``main(argv)``::
+
+    parser = experiment_parser("what it compares", "runs/<name>")
+    parser.add_argument(...)                      # its own options
+    args = parse_experiment_args(parser, argv)    # --out, --overwrite, --seed S [S ...], --threads
+    for seed in progress(args.seed, "seeds"):
+        cli = build("<method>/<config>.yaml", args.out, f"run_s{seed}", "--seed_everything", str(seed))
+        cli.trainer.fit(cli.model, cli.datamodule)
+    write_results(args.out, "table", rows, markdown, figures={"headline": figure})
+"""
 import argparse
 import json
 import logging
@@ -8,19 +20,53 @@ from pathlib import Path
 
 import torch
 
-from featlearn.cli import FeatlearnCLI
-from featlearn.datamodules.base import SyntheticDataModule
-from featlearn.lightning_modules.base import FeatureLearningModule
+from tqdm.auto import tqdm
+
+from featlearn.cli import FeatlearnCLI, make_cli
+from featlearn.metrics.figures import save_png
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
-def add_output_arguments(parser: argparse.ArgumentParser, default: str) -> None:
-    """``--out DIR`` and ``--overwrite``: the options every experiment shares for where results go."""
-    parser.add_argument("--out", type=Path, default=Path(default),
-                        help=f"output folder (default {default}); if it holds a previous run, a new folder "
+def experiment_parser(description: str, default_out: str) -> argparse.ArgumentParser:
+    """The command line every experiment starts from: ``--out DIR``, ``--overwrite``, ``--seed S [S ...]``
+    and ``--threads N``. Add the experiment's own options, then call :func:`parse_experiment_args`.
+
+    Example:
+        >>> parser = experiment_parser("demo", "runs/demo")
+        >>> args = parser.parse_args(["--seed", "0", "1"])
+        >>> args.seed, args.threads
+        ([0, 1], 1)
+    """
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--out", type=Path, default=Path(default_out),
+                        help=f"output folder (default {default_out}); if it holds a previous run, a new folder "
                              f"DIR-2, DIR-3, ... is used unless --overwrite is given")
     parser.add_argument("--overwrite", action="store_true", help="delete a previous run in --out first")
+    parser.add_argument("--seed", type=_seed, nargs="+", default=[0],
+                        help="one seed or several, distinct (default 0); several give per-seed results and a "
+                             "table of mean (min-max)")
+    parser.add_argument("--threads", type=_threads, default=1,
+                        help="torch CPU threads (default 1: these sizes run fastest on one thread of a busy "
+                             "2-core machine)")
+    return parser
+
+
+def parse_experiment_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
+    """Parse, refuse repeated seeds (naming the option), set the torch thread count, and replace
+    ``args.out`` by the folder to write to (:func:`output_dir`)."""
+    args = parser.parse_args(argv)
+    repeated = sorted({s for s in args.seed if args.seed.count(s) > 1})
+    if repeated:
+        parser.error(f"--seed: seeds must be distinct, got {repeated} more than once")
+    torch.set_num_threads(args.threads)
+    args.out = output_dir(args.out, args.overwrite)
+    return args
+
+
+def progress(items, desc: str):
+    """A progress bar over an experiment's fits (or seeds, sizes, ...), on stderr."""
+    return tqdm(items, desc=desc, unit="fit", dynamic_ncols=True)
 
 
 def output_dir(out: Path, overwrite: bool = False) -> Path:
@@ -66,9 +112,7 @@ def build(config: str, out: Path, name: str, *overrides: str) -> FeatlearnCLI:
             *overrides]
     with warnings.catch_warnings():  # LightningCLI warns when args= and sys.argv are both present
         warnings.filterwarnings("ignore", message=".*args parameter is intended.*")
-        return FeatlearnCLI(FeatureLearningModule, SyntheticDataModule, subclass_mode_model=True,
-                            subclass_mode_data=True, seed_everything_default=0, args=args, run=False,
-                            auto_configure_optimizers=False)
+        return make_cli(args, run=False)
 
 
 def scalars(metrics: dict) -> dict[str, float]:
@@ -85,13 +129,17 @@ def markdown_table(rows: dict[str, dict[str, object]], columns: list[str]) -> st
     return "\n".join([head, rule, *body])
 
 
-def write_results(out: Path, stem: str, results: dict, table: str) -> None:
-    """Save ``<stem>.json`` and ``<stem>.md`` beside the logs and print the table."""
+def write_results(out: Path, stem: str, results, table: str, figures: dict | None = None) -> None:
+    """Save ``<stem>.md`` (the table), ``<stem>.json`` (``results``) and ``<stem>_<name>.png`` for each
+    matplotlib figure in ``figures``, then print the table and what was written."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{stem}.json").write_text(json.dumps(results, indent=2))
-    (out / f"{stem}.md").write_text(table + "\n")
+    written = [out / f"{stem}.md", out / f"{stem}.json"]
+    written[0].write_text(table + "\n")
+    written[1].write_text(json.dumps(results, indent=2))
+    for name, figure in (figures or {}).items():
+        written.append(save_png(figure, out / f"{stem}_{name}.png"))
     print(table)
-    print(f"\nwrote {out / (stem + '.json')} and {out / (stem + '.md')}")
+    print("\nwrote " + ", ".join(str(p) for p in written))
 
 
 def _seed(text: str) -> int:
@@ -106,6 +154,33 @@ def _threads(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
+
+
+def mean_range(values: list, fmt: str = "{:.3f}") -> object:
+    """One cell summarising per-seed values: the value itself for one seed, ``mean (min-max)`` for several,
+    ``n/a`` where the quantity is undefined (``None``) for any seed.
+
+    Example:
+        >>> mean_range([0.5, 1.0])
+        '0.750 (0.500-1.000)'
+        >>> mean_range([None, 1.0])
+        'n/a'
+    """
+    if not values or any(v is None or v == "" or v == "n/a" for v in values):
+        return "n/a"
+    if len(values) == 1:
+        return fmt.format(values[0])
+    mean = sum(values) / len(values)
+    return f"{fmt.format(mean)} ({fmt.format(min(values))}-{fmt.format(max(values))})"
+
+
+# TRANSITIONAL (issue 9): the old option helpers, removed once every experiment uses experiment_parser.
+def add_output_arguments(parser: argparse.ArgumentParser, default: str) -> None:
+    """``--out DIR`` and ``--overwrite``: the options every experiment shares for where results go."""
+    parser.add_argument("--out", type=Path, default=Path(default),
+                        help=f"output folder (default {default}); if it holds a previous run, a new folder "
+                             f"DIR-2, DIR-3, ... is used unless --overwrite is given")
+    parser.add_argument("--overwrite", action="store_true", help="delete a previous run in --out first")
 
 
 def add_seed_argument(parser: argparse.ArgumentParser, default: tuple[int, ...] = (0,)) -> None:
@@ -128,19 +203,3 @@ def apply_shared_options(parser: argparse.ArgumentParser, args: argparse.Namespa
     torch.set_num_threads(args.threads)
 
 
-def mean_range(values: list, fmt: str = "{:.3f}") -> object:
-    """One cell summarising per-seed values: the value itself for one seed, ``mean (min-max)`` for several,
-    ``n/a`` where the quantity is undefined (``None``) for any seed.
-
-    Example:
-        >>> mean_range([0.5, 1.0])
-        '0.750 (0.500-1.000)'
-        >>> mean_range([None, 1.0])
-        'n/a'
-    """
-    if not values or any(v is None or v == "" or v == "n/a" for v in values):
-        return "n/a"
-    if len(values) == 1:
-        return fmt.format(values[0])
-    mean = sum(values) / len(values)
-    return f"{fmt.format(mean)} ({fmt.format(min(values))}-{fmt.format(max(values))})"

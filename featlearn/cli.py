@@ -19,7 +19,9 @@ from typing import Literal
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
-from featlearn.callbacks import DivergenceGuard, FinalCheckpoint, HeatmapLogger
+from lightning.pytorch.callbacks import ProgressBar
+
+from featlearn.callbacks import DivergenceGuard, FinalCheckpoint, HeatmapLogger, StepProgressBar
 from featlearn.checkpoints import check_fits, class_path, read_checkpoint
 from featlearn.datamodules.base import SyntheticDataModule
 from featlearn.errors import ConfigError, DivergenceError
@@ -65,6 +67,14 @@ class FeatlearnCLI(LightningCLI):
         kwargs.setdefault("parser_class", _ShortErrorParser)
         super().__init__(*args, **kwargs)
 
+    def _instantiate_trainer(self, config: dict, callbacks: list):
+        """Show training progress in steps against ``max_steps`` (:class:`StepProgressBar`) unless the
+        progress bar is off or the config brings its own."""
+        own = [c for c in (config.get("callbacks") or []) if isinstance(c, ProgressBar)]
+        if config.get("enable_progress_bar", True) is not False and not own:
+            callbacks = [*callbacks, StepProgressBar()]
+        return super()._instantiate_trainer(config, callbacks)
+
     def _parse_ckpt_path(self) -> None:
         """Keep the config as given. LightningCLI would overwrite the model's arguments with the
         hyperparameters stored in ``--ckpt_path``, so resuming with ``--model.init_args.lr SMALLER`` after
@@ -92,6 +102,7 @@ class FeatlearnCLI(LightningCLI):
                 raise ConfigError(field, describe(allowed) + (f" ({note})" if note else ""), config[field])
         if "trainer.devices" in config:
             _check_devices(config["trainer.devices"])
+        _results_not_placeholders(config.get("trainer.logger"))
 
     def instantiate_classes(self) -> None:
         try:
@@ -110,8 +121,12 @@ class FeatlearnCLI(LightningCLI):
         comes before any work; ``attach`` builds once, so ``setup`` then finds the model built."""
         if self.subcommand is None or self.datamodule is None:
             return
-        if hasattr(self.datamodule, "check_devices"):
-            self.datamodule.check_devices(self.trainer.world_size)
+        paired = self.model.datamodule_class
+        if not isinstance(self.datamodule, paired):
+            raise ConfigError("data.class_path", f"{paired.__module__}.{paired.__name__} (the DataModule "
+                                                 f"{type(self.model).__name__} pairs with)",
+                              f"{type(self.datamodule).__module__}.{type(self.datamodule).__name__}")
+        self.datamodule.check_devices(self.trainer.world_size)
         self.model.attach(self.datamodule)
         if self._ckpt is not None:
             path, ckpt = self._ckpt
@@ -196,11 +211,26 @@ def _config_error(err: Exception) -> ConfigError | None:
     return None
 
 
+def _results_not_placeholders(logger) -> None:
+    """TensorBoard's HPARAMS tab shows each run's ``final_metrics`` (logged at the end of training as
+    ``hp/<name>``), so the logger's placeholder ``hp_metric = -1`` is always off."""
+    for entry in logger if isinstance(logger, list) else [logger]:
+        init_args = getattr(entry, "init_args", None)
+        if str(getattr(entry, "class_path", "")).endswith("TensorBoardLogger") and init_args is not None:
+            init_args["default_hp_metric"] = False
+
+
+def make_cli(args=None, run: bool = True) -> FeatlearnCLI:
+    """The featlearn CLI over every method and DataModule (``run=False``: build trainer, model and data
+    without running a subcommand, as the experiments do)."""
+    return FeatlearnCLI(FeatureLearningModule, SyntheticDataModule, subclass_mode_model=True,
+                        subclass_mode_data=True, seed_everything_default=0, args=args, run=run,
+                        auto_configure_optimizers=False)
+
+
 def main(args=None) -> None:
     try:
-        FeatlearnCLI(FeatureLearningModule, SyntheticDataModule, subclass_mode_model=True,
-                     subclass_mode_data=True, seed_everything_default=0, args=args,
-                     auto_configure_optimizers=False)
+        make_cli(args)
     except ConfigError as err:
         _refuse(str(err))
     except DivergenceError as err:

@@ -1,23 +1,38 @@
-"""Base LightningModule: parameters are sized from the attached synthetic DataModule.
+"""Base LightningModule: a method declares the DataModule it pairs with and is built from it once.
 
-Subclasses implement :meth:`build` (create parameters from the DataModule's sizes and constants) and
-may override :meth:`finish_step` (what completes an optimisation step: projections, EMA targets,
-schedules), :meth:`correlations` (neuron x ground-truth-feature matrix) and :meth:`heatmaps`.
-``build`` runs once in ``setup`` before any checkpoint is restored, so ``fit --ckpt_path`` and
-``validate --ckpt_path`` work; tests and notebooks call ``module.attach(dm)`` directly.
+The interface between a method and its data:
+
+* ``datamodule_class``: the synthetic DataModule the method pairs with; the CLI refuses another one
+  before any work, naming ``data.class_path``.
+* :meth:`build` ``(dm)``: the one place a module reads its DataModule. It creates the parameters from the
+  data's sizes, keeps the sizes it needs as attributes and the ground truth as buffers
+  (:meth:`register_ground_truth`). ``build`` runs once (``attach``), from the CLI before fitting or from
+  ``setup``, before any checkpoint is restored, so ``fit --ckpt_path`` and ``validate --ckpt_path`` work;
+  tests and notebooks call ``module.attach(dm)`` directly. Steps never look at the DataModule.
+
+What a method may override: :meth:`finish_step` (what completes an optimisation step: projections, EMA
+targets, schedules), :meth:`correlations` (neuron x ground-truth-feature matrix, drawn as a heat map with
+``heatmap_axes`` and the fixed colour scale ``heatmap_scale``), :meth:`heatmaps` and :meth:`final_metrics`
+(the results shown in TensorBoard's HPARAMS tab). Theory metrics that cost more than a few elementwise
+operations are computed only when :meth:`theory_due`, i.e. every ``trainer.log_every_n_steps`` steps.
 
 Example:
     >>> class Linear(FeatureLearningModule):
     ...     def build(self, dm):
     ...         self.w = torch.nn.Parameter(torch.zeros(4, dm.features.shape[1]))
+    ...         self.register_ground_truth("features", dm.features)
     ...     def finish_step(self, step):
     ...         self.w.clamp_(-1, 1)          # a projection: part of the step, never seen half-done
     ...     def correlations(self):
-    ...         return self.w @ self.dm.features.T.to(self.w)
+    ...         return self.w @ self.features.T
 """
 import lightning as L
 import torch
+from lightning.fabric.utilities.data import AttributeDict
 from lightning.pytorch.utilities import rank_zero_info
+
+from featlearn.datamodules.base import SyntheticDataModule
+from featlearn.metrics.figures import tensorboard_writer
 
 # Optimizer-state entries that are learned state rather than configuration; everything else in a param
 # group (lr, weight_decay, momentum, ...) comes from the current config when a run is resumed.
@@ -25,6 +40,12 @@ _GROUP_STATE_KEYS = ("params", "initial_lr")
 
 
 class FeatureLearningModule(L.LightningModule):
+    datamodule_class: type = SyntheticDataModule
+    """The DataModule this method learns from (the CLI refuses a config with another one)."""
+    heatmap_axes: tuple[str, str] = ("neuron", "feature")
+    """Axis labels of the correlation heat map (rows, columns)."""
+    heatmap_scale: float = 1.0
+    """The colour-scale limit of the heat maps, fixed so that frames of one run can be compared."""
     blowup_factors: dict[str, float | None] = {"loss": None, "weight_norm": 100.0}
     """Per-method defaults of :class:`~featlearn.callbacks.DivergenceGuard`: a quantity that grows past
     this factor of its smallest value over the guard's window is a blow-up (``None``: not watched)."""
@@ -79,6 +100,46 @@ class FeatureLearningModule(L.LightningModule):
                         rank_zero_info(f"resume: optimizer {key} {old.get(key)!r} -> {value!r} (from the config)")
                         old[key] = value
 
+    @property
+    def hparams_initial(self):
+        """The arguments as logged (``hparams.yaml``, HPARAMS tab): LightningCLI's private bookkeeping
+        (``_instantiator``, ``_class_path``) stays in checkpoints only."""
+        return AttributeDict(_public(super().hparams_initial))
+
+    def register_ground_truth(self, name: str, tensor: torch.Tensor) -> None:
+        """Keep a ground-truth tensor of the DataModule (features, dictionary, ...) as ``self.<name>``: a
+        buffer that follows the module's device but is not saved in checkpoints (the data rebuilds it)."""
+        self.register_buffer(name, tensor.detach().clone(), persistent=False)
+
+    def theory_due(self) -> bool:
+        """Whether this training step computes and logs the theory metrics: every
+        ``trainer.log_every_n_steps`` steps (Lightning's own logging interval), always without a trainer."""
+        trainer = self._trainer
+        return trainer is None or self.global_step % max(1, trainer.log_every_n_steps) == 0
+
+    def final_metrics(self) -> dict[str, float]:
+        """The run's results (e.g. captured fraction, final loss), logged at the end of training as
+        ``hp/<name>`` in TensorBoard's HPARAMS tab beside the hyperparameters of the model and the data."""
+        return {}
+
+    def on_train_end(self) -> None:
+        writer_loggers = [lg for lg in self.trainer.loggers if hasattr(lg, "log_hyperparams")]
+        metrics = {f"hp/{k}": float(v) for k, v in self.final_metrics().items()}
+        if not metrics or self.trainer.global_rank != 0:
+            return
+        params = {**getattr(self.trainer.datamodule, "hparams", {}), **self.hparams}
+        for logger in writer_loggers:
+            logger.log_hyperparams(_public(params), metrics=metrics)
+
+    def log_figure(self, tag: str, figure) -> None:
+        """Log a matplotlib figure to TensorBoard at the current step (rank 0; no-op without TensorBoard)."""
+        import matplotlib.pyplot as plt
+
+        writer = tensorboard_writer(self._trainer)
+        if writer is not None:
+            writer.add_figure(tag, figure, self.global_step)
+        plt.close(figure)
+
     def correlations(self) -> torch.Tensor:
         """Neuron x feature correlation matrix ``[R, F]``."""
         raise NotImplementedError
@@ -86,3 +147,8 @@ class FeatureLearningModule(L.LightningModule):
     def heatmaps(self) -> dict[str, torch.Tensor]:
         """2-D tensors logged as TensorBoard images by :class:`featlearn.callbacks.HeatmapLogger`."""
         return {"correlation": self.correlations()}
+
+
+def _public(params: dict) -> dict:
+    """Hyperparameters without LightningCLI's private bookkeeping (``_instantiator``, ``_class_path``)."""
+    return {k: v for k, v in params.items() if not str(k).startswith("_")}

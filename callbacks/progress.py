@@ -1,0 +1,46 @@
+"""A progress bar that counts optimisation steps against ``max_steps``, with the time left.
+
+Lightning's bar counts batches within an epoch; in full-batch mode every step is an epoch, so it reads
+"Epoch 19: 1/1" and never says how far the run is. This bar shows ``step t/max_steps`` over the whole
+fit, the rate and the estimated time left, and the metrics logged with ``prog_bar=True``.
+"""
+from lightning.pytorch.callbacks import TQDMProgressBar
+
+
+class StepProgressBar(TQDMProgressBar):
+    """Training progress in optimisation steps (``max_steps``, or the steps of ``max_epochs`` epochs).
+
+    Example:
+        >>> import lightning as L
+        >>> trainer = L.Trainer(callbacks=[StepProgressBar()], max_steps=10)  # doctest: +SKIP
+    """
+
+    @property
+    def total_train_batches(self):
+        trainer = self.trainer
+        if trainer.max_steps and trainer.max_steps > 0:
+            return trainer.max_steps
+        per_epoch = trainer.num_training_batches
+        if trainer.max_epochs and trainer.max_epochs > 0 and per_epoch != float("inf"):
+            return per_epoch * trainer.max_epochs
+        return None
+
+    def on_train_start(self, *_) -> None:
+        self.train_progress_bar = self.init_train_tqdm()
+        self.train_progress_bar.reset(total=self.total_train_batches)
+        self.train_progress_bar.initial = 0
+        self.train_progress_bar.n = self.trainer.global_step  # a resumed run starts where it stopped
+        self.train_progress_bar.set_description("step")
+
+    def on_train_epoch_start(self, trainer, *_) -> None:
+        pass  # one bar for the whole fit, not one per epoch
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self._should_update(trainer.global_step, self.total_train_batches or 0):
+            self.train_progress_bar.n = trainer.global_step
+            self.train_progress_bar.refresh()
+            self.train_progress_bar.set_postfix(self.get_metrics(trainer, pl_module))
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        if not self.train_progress_bar.disable:
+            self.train_progress_bar.set_postfix(self.get_metrics(trainer, pl_module))

@@ -1,0 +1,116 @@
+"""Matplotlib figures for TensorBoard (``add_figure``) and for the PNGs every experiment writes.
+
+Every figure has labelled axes; heat maps have a fixed colour scale (``vmax``, the same at every step so
+frames can be compared) and a colour bar. The Agg backend is used, so no display is needed.
+
+Example:
+    >>> import torch
+    >>> fig = heatmap_figure(torch.eye(3), xlabel="feature", ylabel="neuron", vmax=1.0)
+    >>> [ax.get_xlabel() for ax in fig.axes][:1]
+    ['feature']
+    >>> fig = curves_figure([0, 1, 2], {"run": [0.0, 0.5, 1.0]}, xlabel="step", ylabel="captured")
+    >>> fig = bars_figure({"MRP+FT": {"single": 1.0}, "SL": {"single": 0.9}}, ylabel="accuracy")
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import matplotlib
+
+matplotlib.use("Agg")  # before pyplot: figures are rendered to files and TensorBoard, never to a screen
+import matplotlib.pyplot as plt  # noqa: E402
+import torch  # noqa: E402
+
+__all__ = ["heatmap_figure", "curves_figure", "bars_figure", "save_png", "tensorboard_writer"]
+
+
+def _array(values):
+    return values.detach().cpu().double().numpy() if torch.is_tensor(values) else values
+
+
+def heatmap_figure(matrix, *, xlabel: str, ylabel: str, vmax: float, title: str = "",
+                   diverging: bool = True) -> plt.Figure:
+    """A 2-D matrix (rows on the y axis) with a colour bar; ``vmax`` fixes the scale.
+
+    ``diverging``: blue < 0 < red on ``[-vmax, vmax]`` (correlations); otherwise ``[0, vmax]`` (attention).
+    """
+    data = _array(matrix)
+    rows, cols = data.shape
+    fig, ax = plt.subplots(figsize=(min(12.0, 2.0 + 0.25 * cols), min(10.0, 1.5 + 0.2 * rows)),
+                           constrained_layout=True)
+    limits = dict(vmin=-vmax, vmax=vmax, cmap="RdBu_r") if diverging else dict(vmin=0.0, vmax=vmax, cmap="viridis")
+    image = ax.imshow(data, aspect="auto", interpolation="nearest", **limits)
+    ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
+    fig.colorbar(image, ax=ax)
+    return fig
+
+
+def _runs(values) -> list:
+    """A curve, or a list of curves (one per run), as a list of curves."""
+    first = values[0] if len(values) else None
+    return list(values) if first is not None and hasattr(first, "__len__") else [values]
+
+
+def curves_figure(x, series: Mapping[str, Sequence], *, xlabel: str, ylabel: str, title: str = "",
+                  logx: bool = False) -> plt.Figure:
+    """One colour per name; a name maps to one curve or to a list of curves (one per run).
+
+    ``x`` is shared by every curve, or a mapping from the names to their x values (one per run, or shared).
+    """
+    fig, ax = plt.subplots(figsize=(6.4, 4.0), constrained_layout=True)
+    for i, (name, values) in enumerate(series.items()):
+        runs = _runs(values)
+        xs = _runs(x[name]) if isinstance(x, Mapping) else [x]
+        for j, run in enumerate(runs):
+            ax.plot(_array(xs[j if len(xs) > 1 else 0]), _array(run), color=f"C{i}",
+                    alpha=0.9 if len(runs) == 1 else 0.5, label=name if j == 0 else None)
+    if logx:
+        ax.set_xscale("log")
+    ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
+    ax.legend()
+    return fig
+
+
+def bars_figure(groups: Mapping[str, Mapping[str, float]], *, ylabel: str, title: str = "",
+                errors: Mapping[str, Mapping[str, tuple[float, float]]] | None = None) -> plt.Figure:
+    """Grouped bars: one group per key of ``groups`` (e.g. a method), one bar per inner key (e.g. a view).
+
+    ``errors`` gives ``(low, high)`` per bar, drawn as an error bar (e.g. the min-max range over seeds).
+    """
+    labels = list(dict.fromkeys(k for inner in groups.values() for k in inner))
+    width = 0.8 / max(1, len(groups))
+    fig, ax = plt.subplots(figsize=(max(4.0, 1.2 * len(labels) * max(1, len(groups)) * 0.6), 4.0),
+                           constrained_layout=True)
+    for i, (name, inner) in enumerate(groups.items()):
+        xs = [labels.index(k) + (i - (len(groups) - 1) / 2) * width for k in inner]
+        heights = [inner[k] for k in inner]
+        yerr = None
+        if errors and name in errors:
+            yerr = [[inner[k] - errors[name][k][0] for k in inner], [errors[name][k][1] - inner[k] for k in inner]]
+        ax.bar(xs, heights, width, yerr=yerr, capsize=3, label=name, color=f"C{i}")
+    ax.set_xticks(range(len(labels)), labels)
+    ax.set(ylabel=ylabel, title=title)
+    ax.legend()
+    return fig
+
+
+def save_png(fig: plt.Figure, path: str | Path) -> Path:
+    """Write ``fig`` as a PNG and release it (figures are not garbage-collected by pyplot otherwise)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def tensorboard_writer(trainer):
+    """The TensorBoard ``SummaryWriter`` of ``trainer`` on rank 0, else ``None`` (the one logger lookup)."""
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    if trainer is None or trainer.global_rank != 0:
+        return None
+    for logger in trainer.loggers:
+        if isinstance(logger, TensorBoardLogger):
+            return logger.experiment
+    return None
