@@ -3,7 +3,7 @@
 For each op (forward + backward, fp32) it times, in one run:
 
 * ``eager``: the plain PyTorch expression with autograd (``soft_threshold_reference`` /
-  ``infonce_naive`` which materialises the K x (N+1) logits and softmax);
+  ``infonce_reference`` which materialises the K x (N+1) logits and softmax);
 * ``compile``: ``torch.compile`` of that expression (skipped with a note if compilation fails);
 * ``fused``: ``soft_threshold_layer(backend=...)`` (Triton on CUDA, the PyTorch ``autograd.Function``
   fallback on CPU) / ``infonce_stopgrad`` (streamed over negative blocks, closed-form backward);
@@ -23,7 +23,7 @@ import argparse
 import torch
 
 from featlearn.kernels.soft_threshold import soft_threshold_layer, soft_threshold_reference
-from featlearn.lightning_modules.contrastive import infonce_naive, infonce_stopgrad
+from featlearn.kernels.infonce import infonce_reference, infonce_stopgrad
 from timing import median_seconds  # benchmarks/timing.py (scripts run from benchmarks/)
 
 SIZES = {  # d1, m, K, N
@@ -63,7 +63,7 @@ def bench(size: str, device: torch.device, reps: int, chunk: int | None) -> list
     ops = [
         ("soft-threshold fwd+bwd", layer, soft_threshold_reference,
          lambda x_, w_, b_: soft_threshold_layer(x_, w_, b_, backend=backend), f"fused ({backend})"),
-        ("InfoNCE fwd+bwd", loss, infonce_naive,
+        ("InfoNCE fwd+bwd", loss, infonce_reference,
          lambda a, q, n, t: infonce_stopgrad(a, q, n, t, chunk_size=chunk)[0], f"streamed (chunk={chunk or N})"),
     ]
     for name, wrap, eager_fn, fused_fn, fused_label in ops:

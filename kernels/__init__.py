@@ -1,6 +1,7 @@
 """Fused kernels of featlearn: one module per op (Triton kernels, autograd.Function, functional API, reference)."""
 from featlearn.kernels.activations import Activation, smoothed_relu, smoothed_relu_derivative
 from featlearn.kernels.backend import FLOAT_DTYPES, KernelInputError, check_float_inputs
+from featlearn.kernels.infonce import infonce_grad_closed_form, infonce_reference, infonce_stopgrad
 from featlearn.kernels.bn_cosine_loss import bn_column_stats, bn_cosine_loss, bn_cosine_loss_reference
 from featlearn.kernels.patch_activation_sum import PatchSums, patch_activation_sum, patch_activation_sum_reference
 from featlearn.kernels.soft_threshold import soft_threshold_layer, soft_threshold_reference, symmetric_relu
@@ -12,6 +13,9 @@ __all__ = [
     "bn_cosine_loss_reference",
     "check_float_inputs",
     "FLOAT_DTYPES",
+    "infonce_grad_closed_form",
+    "infonce_reference",
+    "infonce_stopgrad",
     "KernelInputError",
     "PatchSums",
     "patch_activation_sum",

@@ -1,5 +1,6 @@
 """What every fused op shares: the backend choice (``auto`` takes Triton for CUDA tensors, PyTorch
-otherwise) and the input dtype policy.
+otherwise), the input dtype policy, output allocation, and the Triton launch helpers (autotune configs,
+grids, accumulator dtype, row-major inputs). ``docs/adding_an_op.md`` shows how an op uses them.
 
 Dtype policy: every op takes float32 or float64 tensors, all of one dtype, and computes in that dtype
 (float32 accumulation at least for float32, float64 end to end for float64). Anything else is refused by
@@ -7,10 +8,11 @@ Dtype policy: every op takes float32 or float64 tensors, all of one dtype, and c
 the dtype given and the allowed dtypes. Half precision is refused rather than upcast because the
 feature-learning signals these ops carry are ~1e-2 relative and would drown in fp16/bf16 rounding.
 """
-import importlib.util
 import os
 
 import torch
+import triton
+import triton.language as tl
 
 from featlearn.errors import ConfigError
 
@@ -73,8 +75,60 @@ def check_float_inputs(op: str, **tensors: torch.Tensor | None) -> torch.dtype:
     return first[1]
 
 
-def triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
+def new_output(shape, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Uninitialised buffer on ``like``'s device for a kernel to overwrite completely.
+
+    Every op allocates its outputs here (called as ``backend.new_output``) so that tests can replace it
+    with a NaN-filled buffer and catch cells a kernel never writes.
+    """
+    return torch.empty(shape, dtype=like.dtype if dtype is None else dtype, device=like.device)
+
+
+def contiguous(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    """The tensors in row-major layout (``None`` passes through): the kernels index with row-major offsets."""
+    return tuple(t if t is None else t.contiguous() for t in tensors)
+
+
+def acc_dtype(t: torch.Tensor):
+    """Triton accumulator dtype for inputs like ``t``: float64 stays float64 (a float32 accumulator would
+    cap float64 runs at ~1e-7 relative), float32 accumulates in float32."""
+    return tl.float64 if t.dtype == torch.float64 else tl.float32
+
+
+# GEMM-like kernels (output tile rows x cols, reduction tile): (rows, cols, k, num_warps, num_stages)
+GEMM_TILES = ((128, 128, 32, 8, 3), (128, 64, 32, 4, 4), (64, 128, 32, 4, 4), (64, 64, 32, 4, 4),
+              (64, 64, 64, 4, 3))
+
+
+def autotune_configs(names: tuple[str, ...], gpu_tiles, interpreter_tiles: tuple[int, ...]) -> list:
+    """The config list for ``triton.autotune``.
+
+    On a GPU one ``triton.Config`` per row of ``gpu_tiles`` (block sizes for ``names``, then ``num_warps``
+    and ``num_stages``); under ``TRITON_INTERPRET=1`` only ``interpreter_tiles``: autotune does not
+    benchmark a single config (the interpreter would run every candidate in Python), and the
+    interpreter tests see fixed small tiles that exercise the masks on odd shapes.
+
+    Example:
+        >>> configs = autotune_configs(("BLOCK_N",), [(64, 4, 3), (128, 8, 3)], (8,))
+        >>> len(configs) == (1 if interpreting() else 2)
+        True
+    """
+    if interpreting():
+        return [triton.Config(dict(zip(names, interpreter_tiles)))]
+    return [triton.Config(dict(zip(names, t[:-2])), num_warps=t[-2], num_stages=t[-1]) for t in gpu_tiles]
+
+
+def tile_grid(*dims: tuple[int, str] | int):
+    """Launch grid of an autotuned kernel: ``(n, "BLOCK_X")`` is ``cdiv(n, BLOCK_X)`` of the config
+    being run, a plain int is taken as is.
+
+    Example:
+        >>> tile_grid((100, "BLOCK_N"), 1)({"BLOCK_N": 32})
+        (4, 1)
+    """
+    def grid(meta):
+        return tuple(d if isinstance(d, int) else triton.cdiv(d[0], meta[d[1]]) for d in dims)
+    return grid
 
 
 def interpreting() -> bool:
@@ -100,10 +154,7 @@ def resolve_backend(backend: str, *tensors: torch.Tensor) -> str:
     check_backend(backend)
     on_cuda = all(t.is_cuda for t in tensors)
     if backend == "auto":
-        return "triton" if on_cuda and triton_available() else "torch"
-    if backend == "triton":
-        if not triton_available():
-            raise ConfigError("backend", "'torch' or 'auto' (triton is not installed)", backend)
-        if not on_cuda and not interpreting():
-            raise ConfigError("backend", "'torch' or 'auto' for CPU tensors unless TRITON_INTERPRET=1", backend)
+        return "triton" if on_cuda else "torch"
+    if backend == "triton" and not on_cuda and not interpreting():
+        raise ConfigError("backend", "'torch' or 'auto' for CPU tensors unless TRITON_INTERPRET=1", backend)
     return backend

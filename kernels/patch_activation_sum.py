@@ -8,24 +8,25 @@ For patches x[B, P, d], kernels w[R, d] and an activation f, with A[b,p,r] = <w_
                                                                    no gradient)
 
 ``student`` and ``squares`` are differentiable w.r.t. x and w (not w.r.t. the mask). The [B, P, R]
-tensor A is never materialised as a whole.
+tensor A is never materialised as a whole; only x, w and the mask are saved for the backward.
 
 Backends (``backend="auto"`` picks Triton for CUDA tensors, see ``featlearn.kernels.backend``):
 
-* ``torch``: an autograd.Function working in chunks over B so that one chunk's A holds at most
-  ``chunk_elements`` (default 2**24) elements. It saves only x, w and the mask; the backward
-  recomputes A per chunk, forms dA = m (g_student + 2 g_squares f(A)) f'(A), accumulates
-  dW += dA^T x and writes dX = dA w. Peak extra memory: a few chunk-sized temporaries.
-* ``triton``: the forward is one kernel (grid over blocks of B x blocks of R; loop over the P patches,
-  and over d in tiles with ``tl.dot`` in fp32/fp64 IEEE precision; the epilogue applies f, f(tau .)
+* ``triton``: the forward is one autotuned kernel (grid over blocks of B x blocks of R; loop over the
+  P patches, and over d in tiles with ``tl.dot`` in IEEE precision; the epilogue applies f, f(tau .)
   and f**2 and accumulates the sums over P in registers), writing only the [B, R] outputs.
-  Backward design ("dA once + two GEMMs", chunked): for each chunk of samples, a Triton kernel
-  recomputes the A tile in registers, forms dA there and writes it once to a chunk buffer
-  [chunk*P, R]; then two cuBLAS GEMMs (torch.matmul) give dW += dA^T x_chunk and dX_chunk = dA w.
-  Extra memory: one dA chunk of at most ``chunk_elements`` elements (64 MiB in fp32 by default)
-  plus dX and dW themselves. Cost: 3 GEMM-equivalents (recompute + 2 grads) and one write + two
-  reads of the dA chunk; the fully fused flash-style variant of spec 6.2 would avoid that traffic
-  but only fits small d per accumulator tile, so this simpler design is used for any d.
+* ``torch``: the same sums in chunks over B so that one chunk's A holds at most ``chunk_elements``
+  (default 2**24) elements.
+
+Backward (both backends, "dA once + two GEMMs", chunked): per chunk of samples, dA = m (g_student +
+2 g_squares f(A)) f'(A) is formed once into a chunk buffer [chunk*P, R] (Triton: one kernel recomputes
+the A tile in registers; torch: PyTorch ops), then dW += dA^T x_chunk and dX_chunk = dA w (cuBLAS).
+Extra memory: one dA chunk of at most ``chunk_elements`` elements (64 MiB in fp32 by default) plus dX
+and dW. Cost: 3 GEMM-equivalents (recompute + 2 grads) and one write + two reads of the dA chunk; the
+fully fused flash-style variant of spec 6.2 would avoid that traffic but only fits small d per
+accumulator tile, so this simpler design is used for any d.
+
+Length (~430 lines): three activations x three optional outputs x mask in both backends, plus argument checks.
 
 Example:
     >>> import torch
@@ -44,127 +45,27 @@ import numbers
 from typing import NamedTuple, Optional
 
 import torch
+import triton
+import triton.language as tl
 from torch.autograd.function import once_differentiable
 
 from featlearn.errors import ConfigError
+from featlearn.kernels import backend as kb  # kb.new_output: the allocation tests poison
 from featlearn.kernels.activations import Activation
-from featlearn.kernels.backend import check_backend, check_float_inputs, interpreting, resolve_backend
+from featlearn.kernels.backend import (GEMM_TILES, acc_dtype, autotune_configs, check_backend, check_float_inputs,
+                                       contiguous, resolve_backend, tile_grid)
 
-import triton
-import triton.language as tl
+__all__ = ["patch_activation_sum", "patch_activation_sum_reference", "PatchSums", "PatchActivationSumFunction"]
 
 DEFAULT_CHUNK_ELEMENTS = 2**24
 
 
-class PatchSums(NamedTuple):
-    """Outputs of :func:`patch_activation_sum`, each [B, R] or None when not requested."""
-
-    student: torch.Tensor
-    teacher: Optional[torch.Tensor]
-    squares: Optional[torch.Tensor]
-
-
-def _new_output(shape, like: torch.Tensor) -> torch.Tensor:
-    """Allocate an uninitialised buffer the kernels overwrite completely (tests poison it with NaN)."""
-    return torch.empty(shape, dtype=like.dtype, device=like.device)
-
-
-def _rows_per_chunk(P: int, R: int, chunk_elements: int) -> int:
-    return max(1, chunk_elements // (P * R))
-
-
 # ----------------------------------------------------------------------------------------------------
-# PyTorch fallback
-# ----------------------------------------------------------------------------------------------------
-def _chunk_forward(xc, w, mc, act, teacher_scale, squares):
-    a = xc @ w.T  # [b, P, R]
-    y = act(a)
-    s = torch.einsum("bp,bpr->br", mc, y) if mc is not None else y.sum(1)
-    q = None
-    if squares:
-        y2 = y.square_()
-        q = torch.einsum("bp,bpr->br", mc, y2) if mc is not None else y2.sum(1)
-    t = act(a.mul_(teacher_scale)).sum(1) if teacher_scale is not None else None
-    return s, t, q
-
-
-def _save_context(ctx, x, w, mask, act, squares, chunk_elements, teacher, sq) -> None:
-    """What both backends' backward needs; teacher (and squares when not asked for) get no gradient."""
-    ctx.save_for_backward(x, w, mask)
-    ctx.act, ctx.chunk_elements, ctx.squares = act, chunk_elements, squares
-    ctx.mark_non_differentiable(*([teacher] if squares else [teacher, sq]))  # one call: it replaces
-    ctx.set_materialize_grads(False)
-
-
-def _backward_inputs(ctx, g_student, g_squares):
-    """``(x, w, mask, g_squares, need_x, need_w)``, or None when no input needs a gradient."""
-    x, w, mask = ctx.saved_tensors
-    need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-    if not ctx.squares:
-        g_squares = None
-    if g_student is None and g_squares is None or not (need_x or need_w):
-        return None
-    return x, w, mask, g_squares, need_x, need_w
-
-
-class _TorchPatchSum(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, w, mask, act, teacher_scale, squares, chunk_elements):
-        B, P, _ = x.shape
-        R = w.shape[0]
-        student = _new_output((B, R), x)
-        teacher = _new_output((B, R), x) if teacher_scale is not None else x.new_empty(0)
-        sq = _new_output((B, R), x) if squares else x.new_empty(0)
-        step = _rows_per_chunk(P, R, chunk_elements)
-        for b0 in range(0, B, step):
-            sl = slice(b0, min(B, b0 + step))
-            s, t, q = _chunk_forward(x[sl], w, None if mask is None else mask[sl], act, teacher_scale, squares)
-            student[sl] = s
-            if t is not None:
-                teacher[sl] = t
-            if q is not None:
-                sq[sl] = q
-        _save_context(ctx, x, w, mask, act, squares, chunk_elements, teacher, sq)
-        return student, teacher, sq
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, g_student, g_teacher, g_squares):
-        inputs = _backward_inputs(ctx, g_student, g_squares)
-        if inputs is None:
-            return None, None, None, None, None, None, None
-        x, w, mask, g_squares, need_x, need_w = inputs
-        act = ctx.act
-        B, P, d = x.shape
-        R = w.shape[0]
-        dx = torch.empty_like(x) if need_x else None
-        dw = torch.zeros_like(w) if need_w else None
-        step = _rows_per_chunk(P, R, ctx.chunk_elements)
-        for b0 in range(0, B, step):
-            sl = slice(b0, min(B, b0 + step))
-            xc = x[sl]
-            a = xc @ w.T
-            coeff = None
-            if g_student is not None:
-                coeff = g_student[sl].unsqueeze(1).expand(-1, P, -1)
-            if g_squares is not None:
-                c2 = 2.0 * g_squares[sl].unsqueeze(1) * act(a)
-                coeff = c2 if coeff is None else c2.add_(coeff)
-            da = act.derivative(a).mul_(coeff)
-            if mask is not None:
-                da.mul_(mask[sl].unsqueeze(-1))
-            if need_w:
-                dw.addmm_(da.reshape(-1, R).T, xc.reshape(-1, d))
-            if need_x:
-                dx[sl] = da @ w
-        return dx, dw, None, None, None, None, None
-
-
-# ----------------------------------------------------------------------------------------------------
-# Triton kernels
+# Triton kernels. Per-call scalars (rho, coef, tau) are float64 arguments, rounded once to the
+# accumulator dtype with tl.full: exact for float64 runs (a plain Python float would arrive as float32)
 # ----------------------------------------------------------------------------------------------------
 @triton.jit
-def _ipow(z, N: tl.constexpr):
+def _patch_sum_ipow(z, N: tl.constexpr):
     r = z * 0.0 + 1.0
     for _ in tl.static_range(N):
         r = r * z
@@ -172,74 +73,78 @@ def _ipow(z, N: tl.constexpr):
 
 
 @triton.jit
-def _act(z, ACT: tl.constexpr, Q: tl.constexpr, rho, coef):
+def _patch_sum_act(z, ACT: tl.constexpr, Q: tl.constexpr, rho, coef):
+    rho = tl.full((), rho, z.dtype)
+    coef = tl.full((), coef, z.dtype)
     if ACT == 0:  # smoothed ReLU: clamp(z,0,rho)^q / (q rho^(q-1)) + max(z - rho, 0)
         c = tl.minimum(tl.maximum(z, 0.0), rho)
-        out = _ipow(c, Q) * coef + tl.maximum(z - rho, 0.0)
+        out = _patch_sum_ipow(c, Q) * coef + tl.maximum(z - rho, 0.0)
     elif ACT == 1:  # relu
         out = tl.maximum(z, 0.0)
     else:  # z ** q
-        out = _ipow(z, Q)
+        out = _patch_sum_ipow(z, Q)
     return out
 
 
 @triton.jit
-def _dact(z, ACT: tl.constexpr, Q: tl.constexpr, rho, inv_rho):
+def _patch_sum_dact(z, ACT: tl.constexpr, Q: tl.constexpr, rho, inv_rho):
+    rho = tl.full((), rho, z.dtype)
+    inv_rho = tl.full((), inv_rho, z.dtype)
     if ACT == 0:  # (clamp(z,0,rho)/rho)^(q-1)
         c = tl.minimum(tl.maximum(z, 0.0), rho) * inv_rho
-        out = _ipow(c, Q - 1)
+        out = _patch_sum_ipow(c, Q - 1)
     elif ACT == 1:
         out = tl.where(z > 0.0, 1.0, 0.0).to(z.dtype)
     else:
-        out = _ipow(z, Q - 1) * Q
+        out = _patch_sum_ipow(z, Q - 1) * Q
     return out
 
 
 @triton.jit
-def _fwd_kernel(
-    x_ptr, w_ptr, m_ptr, prm_ptr, s_ptr, t_ptr, q_ptr,
+def _patch_sum_scores(x_rows, row_ok, sxd, w_ptr, offs_r, r_ok, swr, swd, D,
+                      ROWS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr):
+    """A tile [ROWS, BLOCK_R] = x[rows] @ w[offs_r]^T; ``x_rows`` points at the first element of each row."""
+    a = tl.zeros((ROWS, BLOCK_R), dtype=ACC)
+    for d0 in range(0, D, BLOCK_D):
+        dd = d0 + tl.arange(0, BLOCK_D).to(tl.int64)
+        d_ok = dd < D
+        xt = tl.load(x_rows[:, None] + dd[None, :] * sxd, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        wt = tl.load(w_ptr + dd[:, None] * swd + offs_r[None, :] * swr, mask=d_ok[:, None] & r_ok[None, :], other=0.0)
+        a = tl.dot(xt, wt, a, input_precision="ieee")
+    return a
+
+
+@triton.autotune(configs=autotune_configs(("BLOCK_B", "BLOCK_R", "BLOCK_D"), GEMM_TILES, (64, 64, 64)),
+                 key=["B", "P", "D", "R", "HAS_MASK", "HAS_TEACHER", "HAS_SQUARES"])
+@triton.jit
+def _patch_sum_fwd_kernel(
+    x_ptr, w_ptr, m_ptr, s_ptr, t_ptr, q_ptr, rho: tl.float64, coef: tl.float64, tau: tl.float64,
     B, P, D, R,
     sxb, sxp, sxd, swr, swd, smb, smp, sob, sor,
     ACT: tl.constexpr, Q: tl.constexpr, ACC: tl.constexpr,
     HAS_MASK: tl.constexpr, HAS_TEACHER: tl.constexpr, HAS_SQUARES: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    pid_b = tl.program_id(0)
-    pid_r = tl.program_id(1)
-    offs_b = (pid_b * BLOCK_B + tl.arange(0, BLOCK_B)).to(tl.int64)
-    offs_r = (pid_r * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
-    offs_d = tl.arange(0, BLOCK_D).to(tl.int64)
+    offs_b = (tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)).to(tl.int64)
+    offs_r = (tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     b_ok = offs_b < B
     r_ok = offs_r < R
-    rho = tl.load(prm_ptr)
-    coef = tl.load(prm_ptr + 1)
-    tau = tl.load(prm_ptr + 3)
+    tau = tl.full((), tau, ACC)
     s_acc = tl.zeros((BLOCK_B, BLOCK_R), dtype=ACC)
     t_acc = tl.zeros((BLOCK_B, BLOCK_R), dtype=ACC)
     q_acc = tl.zeros((BLOCK_B, BLOCK_R), dtype=ACC)
     for p in range(0, P):
-        a = tl.zeros((BLOCK_B, BLOCK_R), dtype=ACC)
-        for d0 in range(0, D, BLOCK_D):
-            dd = d0 + offs_d
-            d_ok = dd < D
-            xt = tl.load(x_ptr + offs_b[:, None] * sxb + p * sxp + dd[None, :] * sxd,
-                         mask=b_ok[:, None] & d_ok[None, :], other=0.0)
-            wt = tl.load(w_ptr + dd[:, None] * swd + offs_r[None, :] * swr,
-                         mask=d_ok[:, None] & r_ok[None, :], other=0.0)
-            a = tl.dot(xt, wt, a, input_precision="ieee")
-        y = _act(a, ACT, Q, rho, coef)
+        a = _patch_sum_scores(x_ptr + offs_b * sxb + p * sxp, b_ok, sxd, w_ptr, offs_r, r_ok, swr, swd, D,
+                              BLOCK_B, BLOCK_R, BLOCK_D, ACC)
+        y = _patch_sum_act(a, ACT, Q, rho, coef)
+        my = y
         if HAS_MASK:
-            mv = tl.load(m_ptr + offs_b * smb + p * smp, mask=b_ok, other=0.0).to(ACC)
-            my = mv[:, None] * y
-            s_acc += my
-            if HAS_SQUARES:
-                q_acc += my * y
-        else:
-            s_acc += y
-            if HAS_SQUARES:
-                q_acc += y * y
+            my = tl.load(m_ptr + offs_b * smb + p * smp, mask=b_ok, other=0.0).to(ACC)[:, None] * y
+        s_acc += my
+        if HAS_SQUARES:
+            q_acc += my * y
         if HAS_TEACHER:
-            t_acc += _act(a * tau, ACT, Q, rho, coef)
+            t_acc += _patch_sum_act(a * tau, ACT, Q, rho, coef)
     out_off = offs_b[:, None] * sob + offs_r[None, :] * sor
     out_ok = b_ok[:, None] & r_ok[None, :]
     tl.store(s_ptr + out_off, s_acc.to(s_ptr.dtype.element_ty), mask=out_ok)
@@ -249,9 +154,11 @@ def _fwd_kernel(
         tl.store(q_ptr + out_off, q_acc.to(q_ptr.dtype.element_ty), mask=out_ok)
 
 
+@triton.autotune(configs=autotune_configs(("BLOCK_M", "BLOCK_R", "BLOCK_D"), GEMM_TILES, (64, 64, 64)),
+                 key=["M", "D", "R", "HAS_MASK", "HAS_GS", "HAS_GQ"])
 @triton.jit
-def _dA_kernel(
-    x_ptr, w_ptr, m_ptr, prm_ptr, gs_ptr, gq_ptr, da_ptr,
+def _patch_sum_bwd_da_kernel(
+    x_ptr, w_ptr, m_ptr, gs_ptr, gq_ptr, da_ptr, rho: tl.float64, coef: tl.float64, inv_rho: tl.float64,
     M, P, D, R,
     sxm, sxd, swr, swd, sgb, sgr, sqb, sqr, sdm, sdr,
     ACT: tl.constexpr, Q: tl.constexpr, ACC: tl.constexpr,
@@ -259,25 +166,12 @@ def _dA_kernel(
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     # rows m of the chunk are flattened (sample, patch) pairs: sample = m // P
-    pid_m = tl.program_id(0)
-    pid_r = tl.program_id(1)
-    offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    offs_r = (pid_r * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
-    offs_d = tl.arange(0, BLOCK_D).to(tl.int64)
+    offs_m = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    offs_r = (tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     m_ok = offs_m < M
     r_ok = offs_r < R
-    rho = tl.load(prm_ptr)
-    coef = tl.load(prm_ptr + 1)
-    inv_rho = tl.load(prm_ptr + 2)
-    a = tl.zeros((BLOCK_M, BLOCK_R), dtype=ACC)
-    for d0 in range(0, D, BLOCK_D):
-        dd = d0 + offs_d
-        d_ok = dd < D
-        xt = tl.load(x_ptr + offs_m[:, None] * sxm + dd[None, :] * sxd,
-                     mask=m_ok[:, None] & d_ok[None, :], other=0.0)
-        wt = tl.load(w_ptr + dd[:, None] * swd + offs_r[None, :] * swr,
-                     mask=d_ok[:, None] & r_ok[None, :], other=0.0)
-        a = tl.dot(xt, wt, a, input_precision="ieee")
+    a = _patch_sum_scores(x_ptr + offs_m * sxm, m_ok, sxd, w_ptr, offs_r, r_ok, swr, swd, D,
+                          BLOCK_M, BLOCK_R, BLOCK_D, ACC)
     ok = m_ok[:, None] & r_ok[None, :]
     b_idx = (offs_m // P)[:, None]
     coeff = tl.zeros((BLOCK_M, BLOCK_R), dtype=ACC)
@@ -285,113 +179,150 @@ def _dA_kernel(
         coeff += tl.load(gs_ptr + b_idx * sgb + offs_r[None, :] * sgr, mask=ok, other=0.0).to(ACC)
     if HAS_GQ:
         gq = tl.load(gq_ptr + b_idx * sqb + offs_r[None, :] * sqr, mask=ok, other=0.0).to(ACC)
-        coeff += 2.0 * gq * _act(a, ACT, Q, rho, coef)
-    da = coeff * _dact(a, ACT, Q, rho, inv_rho)
+        coeff += 2.0 * gq * _patch_sum_act(a, ACT, Q, rho, coef)
+    da = coeff * _patch_sum_dact(a, ACT, Q, rho, inv_rho)
     if HAS_MASK:
-        mv = tl.load(m_ptr + offs_m, mask=m_ok, other=0.0).to(ACC)
-        da = da * mv[:, None]
+        da = da * tl.load(m_ptr + offs_m, mask=m_ok, other=0.0).to(ACC)[:, None]
     tl.store(da_ptr + offs_m[:, None] * sdm + offs_r[None, :] * sdr, da.to(da_ptr.dtype.element_ty), mask=ok)
 
 
-def _block(n: int, lo: int, hi: int) -> int:
-    """Power-of-two tile size covering n, clamped to [lo, hi] (lo >= 16 keeps tl.dot legal)."""
-    b = lo
-    while b < n and b < hi:
-        b *= 2
-    return b
+# ----------------------------------------------------------------------------------------------------
+# launchers and PyTorch fallback: the forward fills (student, teacher, squares) buffers (None = not
+# asked for); the backward forms one chunk's dA [chunk*P, R] into a buffer
+# ----------------------------------------------------------------------------------------------------
+def _act_args(act: Activation) -> dict:
+    return dict(ACT=act.kind, Q=act.q, rho=act.rho, coef=1.0 / (act.q * act.rho ** (act.q - 1)))
 
 
-def _params(act: Activation, teacher_scale, like: torch.Tensor) -> torch.Tensor:
-    rho = act.rho
-    tau = 1.0 if teacher_scale is None else float(teacher_scale)
-    vals = [rho, 1.0 / (act.q * rho ** (act.q - 1)), 1.0 / rho, tau]
-    return torch.tensor(vals, dtype=like.dtype, device=like.device)
+def _patch_sum_fwd_triton(x, w, mask, act, teacher_scale, student, teacher, sq):
+    B, P, D = x.shape
+    R = w.shape[0]
+    empty = x.new_empty(0)
+    _patch_sum_fwd_kernel[tile_grid((B, "BLOCK_B"), (R, "BLOCK_R"))](
+        x, w, empty if mask is None else mask, student, empty if teacher is None else teacher,
+        empty if sq is None else sq, tau=1.0 if teacher_scale is None else float(teacher_scale),
+        B=B, P=P, D=D, R=R, sxb=x.stride(0), sxp=x.stride(1), sxd=x.stride(2), swr=w.stride(0), swd=w.stride(1),
+        smb=0 if mask is None else mask.stride(0), smp=0 if mask is None else mask.stride(1),
+        sob=student.stride(0), sor=student.stride(1), ACC=acc_dtype(x),
+        HAS_MASK=mask is not None, HAS_TEACHER=teacher is not None, HAS_SQUARES=sq is not None, **_act_args(act))
 
 
-def _launch_opts():
-    # the interpreter runs every program in Python: fewer, larger tiles are much faster there
-    return {} if interpreting() else {"num_warps": 4, "num_stages": 3}
+def _patch_sum_bwd_triton(da, x, w, mask, act, gs, gq):
+    P, D = x.shape[1:]
+    xc = x.reshape(-1, D)  # a view: the Triton path gets contiguous x
+    empty = x.new_empty(0)
+    gs_st = (0, 0) if gs is None else gs.stride()
+    gq_st = (0, 0) if gq is None else gq.stride()
+    _patch_sum_bwd_da_kernel[tile_grid((xc.shape[0], "BLOCK_M"), (w.shape[0], "BLOCK_R"))](
+        xc, w, empty if mask is None else mask.reshape(-1), empty if gs is None else gs,
+        empty if gq is None else gq, da, inv_rho=1.0 / act.rho,
+        M=xc.shape[0], P=P, D=D, R=w.shape[0], sxm=xc.stride(0), sxd=xc.stride(1), swr=w.stride(0),
+        swd=w.stride(1), sgb=gs_st[0], sgr=gs_st[1], sqb=gq_st[0], sqr=gq_st[1], sdm=da.stride(0),
+        sdr=da.stride(1), ACC=acc_dtype(x),
+        HAS_MASK=mask is not None, HAS_GS=gs is not None, HAS_GQ=gq is not None, **_act_args(act))
 
 
-class _TritonPatchSum(torch.autograd.Function):
+def _rows_per_chunk(P: int, R: int, chunk_elements: int) -> int:
+    return max(1, chunk_elements // (P * R))
+
+
+def _chunk(t: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
+    return None if t is None else t[rows]
+
+
+def _patch_sum(y: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    return y.sum(1) if mask is None else torch.einsum("bp,bpr->br", mask, y)
+
+
+def _patch_sum_fwd_torch(x, w, mask, act, teacher_scale, chunk_elements, student, teacher, sq):
+    B, P, _ = x.shape
+    step = _rows_per_chunk(P, w.shape[0], chunk_elements)
+    for b0 in range(0, B, step):
+        rows = slice(b0, min(B, b0 + step))
+        a = x[rows] @ w.T  # [b, P, R]
+        y = act(a)
+        student[rows] = _patch_sum(y, _chunk(mask, rows))
+        if sq is not None:
+            sq[rows] = _patch_sum(y.square_(), _chunk(mask, rows))
+        if teacher is not None:
+            teacher[rows] = act(a.mul_(teacher_scale)).sum(1)
+
+
+def _patch_sum_bwd_torch(da, x, w, mask, act, gs, gq):
+    a = x @ w.T  # [b, P, R]
+    coeff = None
+    if gs is not None:
+        coeff = gs.unsqueeze(1).expand(-1, x.shape[1], -1)
+    if gq is not None:
+        c2 = 2.0 * gq.unsqueeze(1) * act(a)
+        coeff = c2 if coeff is None else c2.add_(coeff)
+    da3 = torch.mul(act.derivative(a), coeff, out=da.view(a.shape))
+    if mask is not None:
+        da3.mul_(mask.unsqueeze(-1))
+
+
+# ----------------------------------------------------------------------------------------------------
+# autograd.Function
+# ----------------------------------------------------------------------------------------------------
+class PatchActivationSumFunction(torch.autograd.Function):
+    """``forward(ctx, x, w, mask, act, teacher_scale, squares, chunk_elements, backend)`` ->
+    ``(student, teacher, squares)`` (the last two empty when not asked for); saves only x, w, mask."""
+
     @staticmethod
-    def forward(ctx, x, w, mask, act, teacher_scale, squares, chunk_elements):
-        B, P, D = x.shape
-        R = w.shape[0]
-        acc = tl.float64 if x.dtype == torch.float64 else tl.float32
-        prm = _params(act, teacher_scale, x)
-        student = _new_output((B, R), x)
-        teacher = _new_output((B, R), x) if teacher_scale is not None else x.new_empty(0)
-        sq = _new_output((B, R), x) if squares else x.new_empty(0)
-        m = mask if mask is not None else x.new_empty(0)
-        hi_b, hi_r, hi_d = (64, 64, 64) if interpreting() else (64, 64, 32)
-        BB, BR, BD = _block(B, 16, hi_b), _block(R, 16, hi_r), _block(D, 16, hi_d)
-        grid = (triton.cdiv(B, BB), triton.cdiv(R, BR))
-        _fwd_kernel[grid](
-            x, w, m, prm, student, teacher, sq,
-            B, P, D, R,
-            x.stride(0), x.stride(1), x.stride(2), w.stride(0), w.stride(1),
-            m.stride(0) if mask is not None else 0, m.stride(1) if mask is not None else 0,
-            student.stride(0), student.stride(1),
-            ACT=act.kind, Q=act.q, ACC=acc,
-            HAS_MASK=mask is not None, HAS_TEACHER=teacher_scale is not None, HAS_SQUARES=bool(squares),
-            BLOCK_B=BB, BLOCK_R=BR, BLOCK_D=BD, **_launch_opts(),
-        )
-        _save_context(ctx, x, w, mask, act, squares, chunk_elements, teacher, sq)
-        ctx.prm = prm
+    def forward(ctx, x, w, mask, act, teacher_scale, squares, chunk_elements, backend):
+        B, R = x.shape[0], w.shape[0]
+        student = kb.new_output((B, R), x)
+        teacher = kb.new_output((B, R), x) if teacher_scale is not None else None
+        sq = kb.new_output((B, R), x) if squares else None
+        if backend == "triton":
+            _patch_sum_fwd_triton(x, w, mask, act, teacher_scale, student, teacher, sq)
+        else:
+            _patch_sum_fwd_torch(x, w, mask, act, teacher_scale, chunk_elements, student, teacher, sq)
+        teacher = x.new_empty(0) if teacher is None else teacher
+        sq = x.new_empty(0) if sq is None else sq
+        ctx.save_for_backward(x, w, mask)
+        ctx.act, ctx.chunk_elements, ctx.squares, ctx.backend = act, chunk_elements, squares, backend
+        ctx.mark_non_differentiable(*([teacher] if squares else [teacher, sq]))  # one call: it replaces
+        ctx.set_materialize_grads(False)
         return student, teacher, sq
 
     @staticmethod
     @once_differentiable
     def backward(ctx, g_student, g_teacher, g_squares):
-        inputs = _backward_inputs(ctx, g_student, g_squares)
-        if inputs is None:
-            return None, None, None, None, None, None, None
-        x, w, mask, g_squares, need_x, need_w = inputs
-        act = ctx.act
+        x, w, mask = ctx.saved_tensors
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        gs, gq = contiguous(g_student, g_squares if ctx.squares else None)
+        if gs is None and gq is None or not (need_x or need_w):
+            return (None,) * 8
         B, P, D = x.shape
         R = w.shape[0]
-        acc = tl.float64 if x.dtype == torch.float64 else tl.float32
-        gs = g_student.contiguous() if g_student is not None else None
-        gq = g_squares.contiguous() if g_squares is not None else None
-        gs_st = gs.stride() if gs is not None else (0, 0)
-        gq_st = gq.stride() if gq is not None else (0, 0)
-        x2 = x.reshape(B * P, D)
-        m1 = mask.reshape(B * P) if mask is not None else None
-        dx = _new_output((B, P, D), x) if need_x else None
+        dx = kb.new_output((B, P, D), x) if need_x else None
         dw = torch.zeros_like(w) if need_w else None
         step = _rows_per_chunk(P, R, ctx.chunk_elements)
-        da_buf = _new_output((min(B, step) * P, R), x)
-        hi_m, hi_r, hi_d = (64, 64, 64) if interpreting() else (64, 64, 32)
+        da_buf = kb.new_output((min(B, step) * P, R), x)
+        chunk_da = _patch_sum_bwd_triton if ctx.backend == "triton" else _patch_sum_bwd_torch
         for b0 in range(0, B, step):
-            b1 = min(B, b0 + step)
-            rows = slice(b0 * P, b1 * P)
-            M = (b1 - b0) * P
-            xc = x2[rows]
-            da = da_buf[:M]
-            BM, BR, BD = _block(M, 16, hi_m), _block(R, 16, hi_r), _block(D, 16, hi_d)
-            grid = (triton.cdiv(M, BM), triton.cdiv(R, BR))
-            _dA_kernel[grid](
-                xc, w, m1[rows] if m1 is not None else x.new_empty(0), ctx.prm,
-                gs[b0:b1] if gs is not None else x.new_empty(0),
-                gq[b0:b1] if gq is not None else x.new_empty(0), da,
-                M, P, D, R,
-                xc.stride(0), xc.stride(1), w.stride(0), w.stride(1),
-                gs_st[0], gs_st[1], gq_st[0], gq_st[1], da.stride(0), da.stride(1),
-                ACT=act.kind, Q=act.q, ACC=acc,
-                HAS_MASK=m1 is not None, HAS_GS=gs is not None, HAS_GQ=gq is not None,
-                BLOCK_M=BM, BLOCK_R=BR, BLOCK_D=BD, **_launch_opts(),
-            )
+            rows = slice(b0, min(B, b0 + step))
+            da = da_buf[: (rows.stop - b0) * P]
+            chunk_da(da, x[rows], w, _chunk(mask, rows), ctx.act, _chunk(gs, rows), _chunk(gq, rows))
             if need_w:
-                dw.addmm_(da.T, xc)
+                dw.addmm_(da.T, x[rows].reshape(-1, D))
             if need_x:
-                torch.matmul(da, w, out=dx.view(B * P, D)[rows])
-        return dx, dw, None, None, None, None, None
+                torch.matmul(da, w, out=dx.view(B * P, D)[b0 * P: rows.stop * P])
+        return dx, dw, None, None, None, None, None, None
 
 
 # ----------------------------------------------------------------------------------------------------
 # Public API
 # ----------------------------------------------------------------------------------------------------
+class PatchSums(NamedTuple):
+    """Outputs of :func:`patch_activation_sum`, each [B, R] or None when not requested."""
+
+    student: torch.Tensor
+    teacher: Optional[torch.Tensor]
+    squares: Optional[torch.Tensor]
+
+
 def _validate(x, w, activation, mask, teacher_scale, squares, backend, chunk_elements):
     # a float mask weights the sums, so it follows the dtype policy; a bool mask is exact in any dtype
     float_mask = mask if isinstance(mask, torch.Tensor) and mask.dtype.is_floating_point else None
@@ -462,14 +393,17 @@ def patch_activation_sum(
     """
     _validate(x, w, activation, mask, teacher_scale, squares, backend, chunk_elements)
     which = resolve_backend(backend, x, w)
-    m = mask.to(x.dtype).contiguous() if mask is not None else None
-    fn = _TritonPatchSum if which == "triton" else _TorchPatchSum
+    (m,) = contiguous(None if mask is None else mask.to(x.dtype))
     if which == "triton":
-        x, w = x.contiguous(), w.contiguous()
-    student, teacher, sq = fn.apply(x, w, m, activation, teacher_scale, squares, int(chunk_elements))
+        x, w = contiguous(x, w)
+    student, teacher, sq = PatchActivationSumFunction.apply(x, w, m, activation, teacher_scale, squares,
+                                                            int(chunk_elements), which)
     return PatchSums(student, teacher if teacher_scale is not None else None, sq if squares else None)
 
 
+# ----------------------------------------------------------------------------------------------------
+# float64 reference
+# ----------------------------------------------------------------------------------------------------
 def patch_activation_sum_reference(
     x: torch.Tensor,
     w: torch.Tensor,

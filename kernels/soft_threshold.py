@@ -6,16 +6,14 @@ the literal two-ReLU formula is used, which has slope 2 on ``|u| < -b``. Derivat
 
     dh/du = 1{u > b} + 1{u < -b}          dh/db = 1{u < -b} - 1{u > b}
 
-Layout (Liger-Kernel style):
+Backends (``backend="auto"`` picks Triton for CUDA tensors), both saving x, W and a uint8 code
+``1{u>b} + 2*1{u<-b}`` instead of ``u``:
 
-* ``soft_threshold_reference(x, w, bias)``: plain autograd expression (use in float64 as the oracle).
-* ``SoftThresholdTorch``: PyTorch fallback ``autograd.Function``; saves x, W and a uint8 code
-  ``1{u>b} + 2*1{u<-b}`` (not ``u``), exactly like the Triton path.
-* ``SoftThresholdTriton``: ``autograd.Function`` around three Triton kernels: a GEMM with a
-  soft-threshold epilogue (writes ``h`` and the uint8 code), a GEMM ``grad_x = (g*slope) W`` whose
-  prologue rebuilds ``grad_u`` from the code, and a GEMM ``grad_W = (g*slope)^T x`` that also reduces
-  ``grad_b`` in the programs of the first column tile. ``u`` is never written to memory.
-* ``soft_threshold_layer(x, w, bias, backend="auto")``: the functional API.
+* ``triton``: three autotuned GEMM kernels: ``x W^T`` with a soft-threshold epilogue (writes ``h`` and the
+  code), ``grad_x = (g*slope) W`` whose prologue rebuilds ``grad_u`` from the code, and
+  ``grad_W = (g*slope)^T x`` that also reduces ``grad_b`` in the programs of the first column tile.
+  ``u`` is never written to memory; cost 3 GEMMs of ``B*m*d1`` multiply-adds, extra memory ``B*m`` bytes.
+* ``torch``: the same algebra with PyTorch ops (``u`` exists as a temporary in the forward only).
 
 Dtypes follow the shared policy of ``featlearn.kernels.backend``: x, W and b all float32 or all float64,
 anything else refused up front. Both backends compute in the input dtype; the Triton GEMMs accumulate in
@@ -32,96 +30,37 @@ Example:
 from __future__ import annotations
 
 import torch
-
-from featlearn.errors import ConfigError
-from featlearn.kernels.backend import check_backend, check_float_inputs, resolve_backend
-
 import triton
 import triton.language as tl
 
-__all__ = [
-    "soft_threshold_layer",
-    "soft_threshold_reference",
-    "symmetric_relu",
-    "SoftThresholdTorch",
-    "SoftThresholdTriton",
-]
+from featlearn.errors import ConfigError
+from featlearn.kernels import backend as kb  # kb.new_output: the allocation tests poison
+from featlearn.kernels.backend import (GEMM_TILES, acc_dtype, autotune_configs, check_backend, check_float_inputs,
+                                       contiguous, resolve_backend, tile_grid)
 
-
-# ----------------------------------------------------------------------------------------------
-# reference and elementwise helpers
-# ----------------------------------------------------------------------------------------------
-def symmetric_relu(u: torch.Tensor, bias: torch.Tensor | float) -> torch.Tensor:
-    """Elementwise ``ReLU(u - b) - ReLU(-u - b)`` (broadcast ``b`` over the last dim)."""
-    return torch.relu(u - bias) - torch.relu(-u - bias)
-
-
-def soft_threshold_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Plain autograd reference: ``symmetric_relu(x @ w.T, bias)``. Run it in float64 for tests."""
-    u = x @ w.t()
-    if bias is None:
-        return u
-    return symmetric_relu(u, bias)
-
-
-def _code(u: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return (u > b).to(torch.uint8) + 2 * (u < -b).to(torch.uint8)
-
-
-def _slope_and_dbias(code: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    pos = (code & 1).to(dtype)
-    neg = (code >> 1).to(dtype)
-    return pos + neg, neg - pos
-
-
-# ----------------------------------------------------------------------------------------------
-# PyTorch fallback
-# ----------------------------------------------------------------------------------------------
-class SoftThresholdTorch(torch.autograd.Function):
-    """PyTorch fallback with the same saved state as the Triton path (x, W, uint8 code)."""
-
-    @staticmethod
-    def forward(ctx, x, w, bias):
-        u = x @ w.t()
-        h = symmetric_relu(u, bias)
-        ctx.save_for_backward(x, w, _code(u, bias))
-        return h
-
-    @staticmethod
-    def backward(ctx, grad_h):
-        x, w, code = ctx.saved_tensors
-        slope, dbf = _slope_and_dbias(code, grad_h.dtype)
-        gu = grad_h * slope
-        gx = gu @ w if ctx.needs_input_grad[0] else None
-        gw = gu.t() @ x if ctx.needs_input_grad[1] else None
-        gb = (grad_h * dbf).sum(0) if ctx.needs_input_grad[2] else None
-        return gx, gw, gb
+__all__ = ["soft_threshold_layer", "soft_threshold_reference", "symmetric_relu", "SoftThresholdFunction"]
 
 
 # ----------------------------------------------------------------------------------------------
 # Triton kernels
 # ----------------------------------------------------------------------------------------------
-
+@triton.autotune(configs=autotune_configs(("BLOCK_B", "BLOCK_M", "BLOCK_K"), GEMM_TILES, (16, 16, 16)),
+                 key=["B", "M", "D", "PRECISION"])
 @triton.jit
-def _st_fwd_kernel(x_ptr, w_ptr, b_ptr, h_ptr, code_ptr, B, M, D,
-                   BLOCK_B: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                   PRECISION: tl.constexpr, ACC: tl.constexpr):
+def _soft_threshold_fwd_kernel(x_ptr, w_ptr, b_ptr, h_ptr, code_ptr, B, M, D,
+                               PRECISION: tl.constexpr, ACC: tl.constexpr,
+                               BLOCK_B: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     # u[B, M] = x[B, D] @ w[M, D]^T with the soft-threshold epilogue
-    pid_b = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    rb = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rb = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
+    rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     rk = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_B, BLOCK_M), dtype=ACC)
     for k0 in range(0, D, BLOCK_K):
         kk = k0 + rk
-        xt = tl.load(x_ptr + rb[:, None] * D + kk[None, :],
-                     mask=(rb[:, None] < B) & (kk[None, :] < D), other=0.0)
-        wt = tl.load(w_ptr + rm[None, :] * D + kk[:, None],
-                     mask=(rm[None, :] < M) & (kk[:, None] < D), other=0.0)
+        xt = tl.load(x_ptr + rb[:, None] * D + kk[None, :], mask=(rb[:, None] < B) & (kk[None, :] < D), other=0.0)
+        wt = tl.load(w_ptr + rm[None, :] * D + kk[:, None], mask=(rm[None, :] < M) & (kk[:, None] < D), other=0.0)
         acc = tl.dot(xt.to(ACC), wt.to(ACC), acc, input_precision=PRECISION)
-    b = tl.load(b_ptr + rm, mask=rm < M, other=0.0).to(ACC)
-    bb = b[None, :]
+    bb = tl.load(b_ptr + rm, mask=rm < M, other=0.0).to(ACC)[None, :]
     h = tl.maximum(acc - bb, 0.0) - tl.maximum(-acc - bb, 0.0)
     code = (acc > bb).to(tl.uint8) + 2 * (acc < -bb).to(tl.uint8)
     omask = (rb[:, None] < B) & (rm[None, :] < M)
@@ -129,15 +68,16 @@ def _st_fwd_kernel(x_ptr, w_ptr, b_ptr, h_ptr, code_ptr, B, M, D,
     tl.store(h_ptr + offs, h.to(h_ptr.dtype.element_ty), mask=omask)
     tl.store(code_ptr + offs, code, mask=omask)
 
+
+@triton.autotune(configs=autotune_configs(("BLOCK_B", "BLOCK_D", "BLOCK_K"), GEMM_TILES, (16, 16, 16)),
+                 key=["B", "M", "D", "PRECISION"])
 @triton.jit
-def _st_bwd_x_kernel(g_ptr, code_ptr, w_ptr, gx_ptr, B, M, D,
-                     BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
-                     PRECISION: tl.constexpr, ACC: tl.constexpr):
+def _soft_threshold_bwd_x_kernel(g_ptr, code_ptr, w_ptr, gx_ptr, B, M, D,
+                                 PRECISION: tl.constexpr, ACC: tl.constexpr,
+                                 BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr):
     # grad_x[B, D] = (g * slope)[B, M] @ w[M, D]; slope rebuilt from the code in the prologue
-    pid_b = tl.program_id(0)
-    pid_d = tl.program_id(1)
-    rb = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)
-    rd = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    rb = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
+    rd = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     rk = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_B, BLOCK_D), dtype=ACC)
     for k0 in range(0, M, BLOCK_K):
@@ -145,22 +85,22 @@ def _st_bwd_x_kernel(g_ptr, code_ptr, w_ptr, gx_ptr, B, M, D,
         gmask = (rb[:, None] < B) & (kk[None, :] < M)
         g = tl.load(g_ptr + rb[:, None] * M + kk[None, :], mask=gmask, other=0.0).to(ACC)
         c = tl.load(code_ptr + rb[:, None] * M + kk[None, :], mask=gmask, other=0)
-        slope = ((c & 1) + (c >> 1)).to(ACC)
-        wt = tl.load(w_ptr + kk[:, None] * D + rd[None, :],
-                     mask=(kk[:, None] < M) & (rd[None, :] < D), other=0.0)
-        acc = tl.dot(g * slope, wt.to(ACC), acc, input_precision=PRECISION)
+        wt = tl.load(w_ptr + kk[:, None] * D + rd[None, :], mask=(kk[:, None] < M) & (rd[None, :] < D), other=0.0)
+        acc = tl.dot(g * ((c & 1) + (c >> 1)).to(ACC), wt.to(ACC), acc, input_precision=PRECISION)
     omask = (rb[:, None] < B) & (rd[None, :] < D)
     tl.store(gx_ptr + rb[:, None] * D + rd[None, :], acc.to(gx_ptr.dtype.element_ty), mask=omask)
 
+
+@triton.autotune(configs=autotune_configs(("BLOCK_M", "BLOCK_D", "BLOCK_K"), GEMM_TILES, (16, 16, 16)),
+                 key=["B", "M", "D", "NEED_W", "NEED_B", "PRECISION"])
 @triton.jit
-def _st_bwd_w_kernel(g_ptr, code_ptr, x_ptr, gw_ptr, gb_ptr, B, M, D,
-                     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
-                     NEED_W: tl.constexpr, NEED_B: tl.constexpr, PRECISION: tl.constexpr,
-                     ACC: tl.constexpr):
+def _soft_threshold_bwd_w_kernel(g_ptr, code_ptr, x_ptr, gw_ptr, gb_ptr, B, M, D,
+                                 NEED_W: tl.constexpr, NEED_B: tl.constexpr, PRECISION: tl.constexpr,
+                                 ACC: tl.constexpr,
+                                 BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr):
     # grad_w[M, D] = (g * slope)^T[M, B] @ x[B, D]; grad_b[M] = sum_B g * dbias (first D tile only)
-    pid_m = tl.program_id(0)
     pid_d = tl.program_id(1)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rd = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     rk = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=ACC)
@@ -174,8 +114,7 @@ def _st_bwd_w_kernel(g_ptr, code_ptr, x_ptr, gw_ptr, gb_ptr, B, M, D,
         pos = (c & 1).to(ACC)
         neg = (c >> 1).to(ACC)
         if NEED_W:
-            xt = tl.load(x_ptr + kk[:, None] * D + rd[None, :],
-                         mask=(kk[:, None] < B) & (rd[None, :] < D), other=0.0)
+            xt = tl.load(x_ptr + kk[:, None] * D + rd[None, :], mask=(kk[:, None] < B) & (rd[None, :] < D), other=0.0)
             acc = tl.dot(g * (pos + neg), xt.to(ACC), acc, input_precision=PRECISION)
         if NEED_B:  # cheap; only the pid_d == 0 programs store it
             gb += tl.sum(g * (neg - pos), axis=1)
@@ -187,79 +126,94 @@ def _st_bwd_w_kernel(g_ptr, code_ptr, x_ptr, gw_ptr, gb_ptr, B, M, D,
         tl.store(gb_ptr + rm, gb.to(gb_ptr.dtype.element_ty), mask=rm < limit)
 
 
-def _empty(shape, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Output allocation (tests replace this to poison outputs and catch unwritten elements)."""
-    return torch.empty(shape, device=like.device, dtype=like.dtype if dtype is None else dtype)
+# ----------------------------------------------------------------------------------------------
+# launchers and PyTorch fallback: (h, code) forward, (grad_x, grad_w, grad_b) backward
+# ----------------------------------------------------------------------------------------------
+def _soft_threshold_fwd_triton(x, w, bias, precision):
+    B, D = x.shape
+    M = w.shape[0]
+    h = kb.new_output((B, M), x)
+    code = kb.new_output((B, M), x, torch.uint8)
+    _soft_threshold_fwd_kernel[tile_grid((B, "BLOCK_B"), (M, "BLOCK_M"))](
+        x, w, bias, h, code, B, M, D, PRECISION=precision, ACC=acc_dtype(x))
+    return h, code
 
 
-def _acc_dtype(x: torch.Tensor):
-    # the accumulator follows the inputs: a fp32 accumulator would cap fp64 runs at ~1e-7 relative
-    return tl.float64 if x.dtype == torch.float64 else tl.float32
+def _soft_threshold_bwd_triton(grad_h, x, w, code, need, precision):
+    (grad_h,) = contiguous(grad_h)
+    B, D = x.shape
+    M = w.shape[0]
+    need_x, need_w, need_b = need
+    gx = kb.new_output((B, D), x) if need_x else None
+    gw = kb.new_output((M, D), w) if need_w else None
+    gb = kb.new_output((M,), w) if need_b else None
+    if need_x:
+        _soft_threshold_bwd_x_kernel[tile_grid((B, "BLOCK_B"), (D, "BLOCK_D"))](
+            grad_h, code, w, gx, B, M, D, PRECISION=precision, ACC=acc_dtype(x))
+    if need_w or need_b:
+        # w stands in for the output not asked for: the kernel never touches it
+        _soft_threshold_bwd_w_kernel[tile_grid((M, "BLOCK_M"), (D, "BLOCK_D") if need_w else 1)](
+            grad_h, code, x, w if gw is None else gw, w if gb is None else gb, B, M, D,
+            NEED_W=bool(need_w), NEED_B=bool(need_b), PRECISION=precision, ACC=acc_dtype(x))
+    return gx, gw, gb
 
 
-def _blocks(interpret: bool) -> tuple[int, int, int]:
-    # small tiles keep the interpreter fast and exercise the masks on odd shapes
-    return (16, 16, 16) if interpret else (64, 64, 32)
+def _slope_and_dbias(code: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    pos = (code & 1).to(dtype)
+    neg = (code >> 1).to(dtype)
+    return pos + neg, neg - pos
 
 
-class SoftThresholdTriton(torch.autograd.Function):
-    """Triton path in the inputs' dtype: fp32 inputs accumulate in fp32 (``allow_tf32`` selects TF32
-    tensor-core GEMMs, default IEEE), fp64 inputs in fp64 with IEEE GEMMs (``allow_tf32`` is ignored:
-    there is no fp64 TF32)."""
+def _soft_threshold_fwd_torch(x, w, bias):
+    u = x @ w.t()
+    return symmetric_relu(u, bias), (u > bias).to(torch.uint8) + 2 * (u < -bias).to(torch.uint8)
+
+
+def _soft_threshold_bwd_torch(grad_h, x, w, code, need):
+    slope, dbias = _slope_and_dbias(code, grad_h.dtype)
+    gu = grad_h * slope
+    return (gu @ w if need[0] else None, gu.t() @ x if need[1] else None,
+            (grad_h * dbias).sum(0) if need[2] else None)
+
+
+# ----------------------------------------------------------------------------------------------
+# autograd.Function
+# ----------------------------------------------------------------------------------------------
+class SoftThresholdFunction(torch.autograd.Function):
+    """``forward(ctx, x, w, bias, backend, precision) -> h``; both backends save x, W and the uint8 code.
+
+    ``precision`` is the Triton GEMM input precision: ``"tf32"`` (float32 only) or ``"ieee"``.
+    """
 
     @staticmethod
-    def forward(ctx, x, w, bias, allow_tf32=False):
-        from featlearn.kernels.backend import interpreting
-
-        x = x.contiguous()
-        w = w.contiguous()
-        bias = bias.contiguous()
-        B, D = x.shape
-        M = w.shape[0]
-        h = _empty((B, M), x)
-        code = _empty((B, M), x, torch.uint8)
-        bb, bm, bk = _blocks(interpreting())
-        acc = _acc_dtype(x)
-        prec = "tf32" if allow_tf32 and acc == tl.float32 else "ieee"
-        grid = (triton.cdiv(B, bb), triton.cdiv(M, bm))
-        _st_fwd_kernel[grid](x, w, bias, h, code, B, M, D,
-                             BLOCK_B=bb, BLOCK_M=bm, BLOCK_K=bk, PRECISION=prec, ACC=acc)
+    def forward(ctx, x, w, bias, backend, precision):
+        if backend == "triton":
+            h, code = _soft_threshold_fwd_triton(x, w, bias, precision)
+        else:
+            h, code = _soft_threshold_fwd_torch(x, w, bias)
         ctx.save_for_backward(x, w, code)
-        ctx.prec = prec
+        ctx.backend, ctx.precision = backend, precision
         return h
 
     @staticmethod
     def backward(ctx, grad_h):
-        from featlearn.kernels.backend import interpreting
-
         x, w, code = ctx.saved_tensors
-        grad_h = grad_h.contiguous()
-        B, D = x.shape
-        M = w.shape[0]
-        bb, bm, bk = _blocks(interpreting())
-        acc = _acc_dtype(x)
-        need_x, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
-        gx = gw = gb = None
-        if need_x:
-            gx = _empty(tuple(x.shape), x)
-            grid = (triton.cdiv(B, bb), triton.cdiv(D, bm))
-            _st_bwd_x_kernel[grid](grad_h, code, w, gx, B, M, D,
-                                   BLOCK_B=bb, BLOCK_D=bm, BLOCK_K=bk, PRECISION=ctx.prec, ACC=acc)
-        if need_w or need_b:
-            gw_buf = _empty(tuple(w.shape), w) if need_w else w  # dummy pointer when unused
-            gb_buf = _empty((M,), w) if need_b else w
-            grid = (triton.cdiv(M, bb), triton.cdiv(D, bm) if need_w else 1)
-            _st_bwd_w_kernel[grid](grad_h, code, x, gw_buf, gb_buf, B, M, D,
-                                   BLOCK_M=bb, BLOCK_D=bm, BLOCK_K=bk,
-                                   NEED_W=bool(need_w), NEED_B=bool(need_b), PRECISION=ctx.prec, ACC=acc)
-            gw = gw_buf if need_w else None
-            gb = gb_buf if need_b else None
-        return gx, gw, gb, None
+        need = ctx.needs_input_grad[:3]
+        if ctx.backend == "triton":
+            grads = _soft_threshold_bwd_triton(grad_h, x, w, code, need, ctx.precision)
+        else:
+            grads = _soft_threshold_bwd_torch(grad_h, x, w, code, need)
+        return (*grads, None, None)
 
 
 # ----------------------------------------------------------------------------------------------
 # functional API
 # ----------------------------------------------------------------------------------------------
+def symmetric_relu(u: torch.Tensor, bias: torch.Tensor | float) -> torch.Tensor:
+    """Elementwise ``ReLU(u - b) - ReLU(-u - b)`` (broadcast ``b`` over the last dim)."""
+    return torch.relu(u - bias) - torch.relu(-u - bias)
+
+
 def soft_threshold_layer(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *,
                          backend: str = "auto", allow_tf32: bool = False) -> torch.Tensor:
     """Soft-threshold layer ``ReLU(x W^T - b) - ReLU(-x W^T - b)``, differentiable in x, W and b.
@@ -270,7 +224,7 @@ def soft_threshold_layer(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | 
             see ``featlearn.kernels.backend``); computed in that dtype.
         backend: ``"auto"`` (Triton on CUDA, PyTorch otherwise), ``"torch"`` or ``"triton"``.
         allow_tf32: TF32 GEMMs in the Triton path for float32 inputs (default off: stage-I signals are
-            ~1e-2 relative); no effect on float64.
+            ~1e-2 relative); no effect on float64 (there is no float64 TF32).
 
     Returns ``[B, m]`` activations in ``x.dtype``.
     """
@@ -284,6 +238,19 @@ def soft_threshold_layer(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | 
         bias = torch.zeros(w.shape[0], device=w.device, dtype=w.dtype)
     if bias.shape != (w.shape[0],):
         raise ConfigError("bias", f"a 1-D tensor [{w.shape[0]}]", tuple(bias.shape))
-    if resolve_backend(backend, x, w, bias) == "triton":
-        return SoftThresholdTriton.apply(x, w, bias, allow_tf32)
-    return SoftThresholdTorch.apply(x, w, bias)
+    which = resolve_backend(backend, x, w, bias)
+    if which == "triton":
+        x, w, bias = contiguous(x, w, bias)
+    precision = "tf32" if allow_tf32 and x.dtype == torch.float32 else "ieee"
+    return SoftThresholdFunction.apply(x, w, bias, which, precision)
+
+
+# ----------------------------------------------------------------------------------------------
+# float64 reference
+# ----------------------------------------------------------------------------------------------
+def soft_threshold_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Plain autograd reference: ``symmetric_relu(x @ w.T, bias)``. Run it in float64 for tests."""
+    u = x @ w.t()
+    if bias is None:
+        return u
+    return symmetric_relu(u, bias)

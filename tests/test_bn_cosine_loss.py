@@ -178,7 +178,7 @@ def test_refuses_bad_dtype_and_batch_size_before_any_work(monkeypatch, backend, 
     def boom(*a):
         raise AssertionError("the loss ran on refused inputs")
 
-    monkeypatch.setattr(K.BNCosineLoss, "apply", boom)
+    monkeypatch.setattr(K.BNCosineLossFunction, "apply", boom)
     kwargs = dict(kwargs)
     p, z = kwargs.pop("p"), kwargs.pop("z")
     with pytest.raises(KernelInputError) as info:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from featlearn.errors import ConfigError
-from featlearn.kernels import (Activation, KernelInputError, PatchSums, patch_activation_sum,
+from featlearn.kernels import (Activation, KernelInputError, PatchSums, backend, patch_activation_sum,
                                patch_activation_sum_reference)
 
 # the package re-exports the function under the module's name, so fetch the module itself
@@ -33,10 +33,10 @@ def _ids(a):
 @pytest.fixture
 def poisoned(monkeypatch):
     """Every output buffer the op allocates starts as NaN: cells a kernel fails to write show up."""
-    def nan_output(shape, like):
-        return torch.full(shape, float("nan"), dtype=like.dtype, device=like.device)
+    def nan_output(shape, like, dtype=None):
+        return torch.full(shape, float("nan"), dtype=like.dtype if dtype is None else dtype, device=like.device)
 
-    monkeypatch.setattr(pas, "_new_output", nan_output)
+    monkeypatch.setattr(backend, "new_output", nan_output)
 
 
 def _inputs(seed, shape, dtype, mask_kind):
@@ -202,7 +202,7 @@ def test_auto_backend_on_cpu_is_torch(monkeypatch):
     def boom(*args):
         raise AssertionError("triton path used for CPU tensors with backend='auto'")
 
-    monkeypatch.setattr(pas._TritonPatchSum, "apply", boom)
+    monkeypatch.setattr(pas, "_patch_sum_fwd_triton", boom)
     x, w, _ = _inputs(1, (2, 3, 5, 4), torch.float64, None)
     out = patch_activation_sum(x, w, ACTS[2], backend="auto")
     torch.testing.assert_close(out.student, patch_activation_sum_reference(x, w, ACTS[2]).student)
@@ -267,8 +267,7 @@ def test_dtype_policy_refuses_before_any_work(monkeypatch, backend, field, kwarg
     def boom(*args):
         raise AssertionError("an autograd.Function ran on refused inputs")
 
-    monkeypatch.setattr(pas._TorchPatchSum, "apply", boom)
-    monkeypatch.setattr(pas._TritonPatchSum, "apply", boom)
+    monkeypatch.setattr(pas.PatchActivationSumFunction, "apply", boom)
     kwargs = dict(kwargs)
     x, w = kwargs.pop("x"), kwargs.pop("w")
     with pytest.raises(KernelInputError) as info:

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from featlearn.errors import ConfigError
+from featlearn.kernels import backend
 from featlearn.kernels.backend import KernelInputError
 
 st = importlib.import_module("featlearn.kernels.soft_threshold")
@@ -42,12 +43,12 @@ def _rel(out, ref):
 @pytest.fixture
 def poisoned(monkeypatch):
     """Every output buffer the kernels allocate starts as NaN (codes as 255): unwritten cells show up."""
-    def _empty(shape, like, dtype=None):
+    def new_output(shape, like, dtype=None):
         dtype = like.dtype if dtype is None else dtype
         fill = 255 if dtype == torch.uint8 else float("nan")
         return torch.full(shape, fill, device=like.device, dtype=dtype)
 
-    monkeypatch.setattr(st, "_empty", _empty)
+    monkeypatch.setattr(backend, "new_output", new_output)
 
 
 def _compare(backend, dtype, x, w, b, grad, need=(True, True, True), **kw):
@@ -143,8 +144,7 @@ def test_dtype_policy_refuses_before_any_work(monkeypatch, backend, field, args,
     def boom(*a):
         raise AssertionError("an autograd.Function ran on refused inputs")
 
-    monkeypatch.setattr(st.SoftThresholdTorch, "apply", boom)
-    monkeypatch.setattr(st.SoftThresholdTriton, "apply", boom)
+    monkeypatch.setattr(st.SoftThresholdFunction, "apply", boom)
     with pytest.raises(KernelInputError) as info:
         st.soft_threshold_layer(args["x"], args["w"], args["bias"], backend=backend)
     msg = str(info.value)
