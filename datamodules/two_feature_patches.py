@@ -42,6 +42,7 @@ import torch
 from featlearn.datamodules import rng
 from featlearn.datamodules.base import GEN_BYTES, SyntheticDataModule
 from featlearn.errors import ConfigError
+from featlearn.theory.noncontrastive import hypergeometric_moments
 from featlearn.validation import NonNegativeFloat, PositiveFloat, PositiveInt, check_args, int_at_least
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -49,24 +50,7 @@ _DTYPES = {"float32": torch.float32, "float64": torch.float64}
 # RNG quantities (added to the split's stream id)
 _Q_ELL, _Q_SIGN, _Q_SUBSET, _Q_VIEW, _Q_NOISE, _Q_SIGN2 = range(6)
 _BASIS_STREAM = 77
-
-
-def hypergeometric_moments(num_patches: int, num_feature_patches: int) -> dict[str, float]:
-    """Constants of spec 1.2 for a = |S cap view1| ~ Hypergeometric(P, P0, P/2).
-
-    Returns ``E_a, V_a, C0 = E[a (P0 - a)], C1 = E[a^2], C2 = (P - P0) / 2`` (per-view noise patches;
-    the C's here are *not* divided by the number of features) and ``OPT = 2 - 2 C0 / C1``.
-
-    Example:
-        >>> round(hypergeometric_moments(32, 8)["OPT"], 5)
-        0.35294
-    """
-    P, P0 = num_patches, num_feature_patches
-    ea = P0 / 2
-    va = P0 * (P - P0) / (4 * (P - 1)) if P > 1 else 0.0
-    c1 = ea * ea + va
-    c0 = P0 * ea - c1
-    return {"E_a": ea, "V_a": va, "C0": c0, "C1": c1, "C2": (P - P0) / 2, "OPT": 2 - 2 * c0 / c1}
+_INIT_STREAM = 404  # model initialisation, apart from every sample and basis stream
 
 
 class TwoFeaturePatchDataModule(SyntheticDataModule):
@@ -165,6 +149,19 @@ class TwoFeaturePatchDataModule(SyntheticDataModule):
     def probs(self) -> list[float]:
         k = self.num_features
         return self.feature_probs if self.feature_probs is not None else [1.0 / k] * k
+
+    def initial_weights(self, width: int, seed: int | None = None) -> torch.Tensor:
+        """Standard normal ``[width, dim]`` float64 draws for a model's initial weights (scale them to the
+        init std), a pure function of (``seed``, default the data seed; width, dim) on a stream of their
+        own, so an initialisation is reproducible on any device and apart from every sample.
+
+        Example:
+            >>> dm = TwoFeaturePatchDataModule(dim=5, num_patches=4, num_feature_patches=2, batch_size=2)
+            >>> torch.equal(dm.initial_weights(2), dm.initial_weights(2, seed=0)), dm.initial_weights(2).shape
+            (True, torch.Size([2, 5]))
+        """
+        return rng.global_normal(self.seed if seed is None else seed, _INIT_STREAM, (width, self.dim),
+                                 dtype=torch.float64)
 
     def constants(self) -> dict[str, float]:
         """Hypergeometric constants and the population optimum OPT (spec 1.2)."""

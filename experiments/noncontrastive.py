@@ -4,17 +4,18 @@ features diverse, does E21 rise and fall, does the loss reach OPT, and how do th
 ``python -m featlearn.experiments.noncontrastive [--preset demoA ...] [--dim D ...] [--num-patches P]
 [--seed S ...] [--lr ETA] [--steps T] [--out DIR] [--no-compile]``
 
-Presets (spec 1.3 demo-A data: P0 = 8, alpha = (4, 2.7), noise std 1, width 2): ``demoA`` d = 100, P = 32;
-``demoA-d200``, ``demoA-d300`` the same with d = 200, 300. ``--dim`` replaces the presets' d (several
-give one row pair per d), ``--num-patches`` their P. Default seeds 100..115.
+Built from ``configs/noncontrastive/experiment.yaml``: its ``variants`` (``with_head_population.yaml`` and
+``no_head_population.yaml``) give each variant's model (width, head, initialisation) and the demo-A data
+(spec 1.3: P = 32, P0 = 8, alpha = (4, 2.7), noise std 1); its ``presets`` the sizes (``demoA`` d = 100,
+``demoA-d200``, ``demoA-d300``), and ``lr`` / ``flow_time_at_d100`` the step rule. ``--dim`` replaces the
+presets' d (several give one row pair per d), ``--num-patches`` the data's P. Default seeds 100..115.
 
 Dynamics: population gradient descent (the N = infinity limit of Algorithm 1, spec 5.6), run by
-``simulate_population`` with every seed, with and without head, batched in one tensor. Initial weights
-are those ``NonContrastiveModule(gradient="population", init_seed=seed)`` builds (W ~ N(0, I/d) from the
-framework RNG, lucky neuron first), so both variants start from the same W0 and pair up by seed. The
-simulator is the module's population mode step for step: tests/test_noncontrastive.py
-(``test_lightning_population_mode_equals_simulator``) checks a ``Trainer.fit`` trajectory against it to
-float64 rounding, with and without head.
+``featlearn.theory.noncontrastive.simulate_population`` with every seed and variant batched in one tensor.
+Each run starts from the W0 its config's ``NonContrastiveModule`` builds with ``init_seed=seed`` (W ~ N(0, I/d)
+from the data's counter-based RNG, lucky neuron first), so the variants pair up by seed. The simulator is
+the module's population mode step for step: ``test_lightning_population_mode_equals_simulator`` checks a
+``Trainer.fit`` trajectory against it to float64 rounding, with and without head.
 
 Step rule. Phase times grow like d^2/eta (spec 5.2: T1 <= O(d^2/eta), end phase T4 - T3 = d^{2+o(1)}/eta),
 so the gradient-flow time is ``tau = eta * T = 5e4 (d/100)^2`` and ``eta = eta_E = 0.2`` at every d
@@ -28,11 +29,13 @@ Theory (Thm 4.1 vs 4.3, w.p. 1 - o(1) as d grows): with the head the two neurons
 features, E21 rises and falls back to 0, the loss reaches OPT; without it both neurons collapse onto
 v1. At finite d some seeds collapse or stay partial with a head (spec 5.3), and without a head a neuron
 wins whichever feature has the larger alpha_l^6 |B_jl(0)|^4, so some seeds are diverse anyway.
+
+Writes ``noncontrastive.md`` / ``.json`` and the PNGs ``noncontrastive_E21_d<d>.png`` (E21 of the head runs,
+coloured by outcome) and ``noncontrastive_outcomes.png`` (DIV / COL / PAR with and without head).
 """
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import shlex
 import statistics
@@ -40,51 +43,61 @@ import sys
 import time
 
 import torch
+import yaml
 
-from featlearn.datamodules.two_feature_patches import TwoFeaturePatchDataModule
-from featlearn.experiments.common import add_output_arguments, add_seed_argument, apply_shared_options, mean_range, output_dir
-from featlearn.lightning_modules.noncontrastive import (NonContrastiveModule, PhaseTracker, feature_outcome,
-                                                        representation_correlation, simulate_population)
+from featlearn.experiments.common import (CONFIGS, build, experiment_parser, mean_range, parse_experiment_args,
+                                          progress, quiet_lightning, write_results)
+from featlearn.metrics.figures import bars_figure, curves_figure
+from featlearn.theory.noncontrastive import (PhaseTracker, feature_outcome, representation_correlation,
+                                             simulate_population, substitution_ratio)
 
-DEMO_A = dict(num_feature_patches=8, alphas=[4.0, 2.7], noise_std=1.0)
-PRESETS = {"demoA": dict(dim=100, num_patches=32, **DEMO_A),
-           "demoA-d200": dict(dim=200, num_patches=32, **DEMO_A),
-           "demoA-d300": dict(dim=300, num_patches=32, **DEMO_A)}
-LR = 0.2
-FLOW_TIME_AT_D100 = 5e4
+SETTINGS = yaml.safe_load((CONFIGS / "noncontrastive" / "experiment.yaml").read_text())
 RISE = 0.05       # peak |E21| that counts as a rise
 FALL = 0.1        # final ||offdiag E|| <= FALL * its peak counts as the fall back to E = I
 AT_OPT = 1e-3     # final loss - OPT below this counts as converged to OPT
-HEAD, NO_HEAD = "head (offdiag, identity init)", "no head"
+CHUNK = 10        # compiled steps per call
 
 
-def step_rule(dim: int, lr: float = LR) -> int:
+def step_rule(dim: int, lr: float = SETTINGS["lr"]) -> int:
     """Steps for flow time ``tau = 5e4 (d/100)^2`` at step size ``lr`` (module docstring).
 
     Example:
         >>> step_rule(100), step_rule(200)
         (250000, 1000000)
     """
-    return int(round(FLOW_TIME_AT_D100 * (dim / 100) ** 2 / lr))
+    return int(round(SETTINGS["flow_time_at_d100"] * (dim / 100) ** 2 / lr))
 
 
-def initial_weights(seeds, dm) -> torch.Tensor:
-    return torch.stack([NonContrastiveModule(width=2, gradient="population", init_seed=seed).attach(dm).w.detach()
-                        for seed in seeds])
+def _data_args(config: str) -> dict:
+    """The data arguments a variant's config gives (its ``data:`` may name a preset file beside it)."""
+    data = yaml.safe_load((CONFIGS / "noncontrastive" / config).read_text())["data"]
+    if isinstance(data, str):
+        data = yaml.safe_load((CONFIGS / "noncontrastive" / data).read_text())
+    return data["init_args"]
+
+
+def variants(size: dict, args, out) -> dict:
+    """Variant name -> (model, data) built from its config at this size, eta = eta_E = ``args.lr``."""
+    over = ["--data.init_args.dim", str(size["dim"]), "--model.init_args.lr", str(args.lr),
+            "--model.init_args.head_lr", str(args.lr)]
+    if args.num_patches is not None:
+        over += ["--data.init_args.num_patches", str(args.num_patches)]
+    built = {}
+    for name, config in SETTINGS["variants"].items():
+        cli = build(f"noncontrastive/{config}", out, name, *over)
+        built[name] = (cli.model, cli.datamodule)
+    return built
+
+
+def initial_weights(model, dm, seeds) -> torch.Tensor:
+    """``[S, m, d]``: the W0 ``model``'s config builds with ``init_seed=seed``, for each seed."""
+    kwargs = {k: v for k, v in model.hparams.items() if not k.startswith("_")}
+    return torch.stack([type(model)(**{**kwargs, "init_seed": seed}).attach(dm).w.detach() for seed in seeds])
 
 
 def _median(xs):
     xs = [x for x in xs if x is not None]
     return int(statistics.median(xs)) if xs else None
-
-
-def _subst(out, t, s, dm) -> float:
-    """Population substitution ratio (Lemma 5.2, v1-samples) from the recorded B, R = ||U_j||^2 and E."""
-    b, e = out["B"][t, s], out["E"][t, s]
-    c = dm.constants()
-    r = out["R"][t, s] * dm.noise_std ** 2             # a_jj = s^2 ||U_j||^2; M_jj = 15 a_jj^3
-    ms = [c["C1"] * dm.alphas[0] ** 6 * float(b[j, 0]) ** 6 + c["C2"] * 15 * float(r[j]) ** 3 for j in (0, 1)]
-    return abs(float(e[1, 0])) * math.sqrt(ms[0] / ms[1])
 
 
 def race_rule(w0: torch.Tensor, dm) -> list[str]:
@@ -114,7 +127,9 @@ def summarise(name: str, out: dict, idx: list[int], dm, lr_ratio: float, has_hea
         tr = PhaseTracker(0, dm.dim, lr_ratio, fall=FALL)
         for t in range(len(steps)):
             tr.update(steps[t], out["cos"][t, s], out["B"][t, s], out["R"][t, s], out["E"][t, s],
-                      _subst(out, t, s, dm) if has_head else 0.0)
+                      substitution_ratio(out["B"][t, s], out["R"][t, s], out["E"][t, s], dm.alphas[0],
+                                         dm.num_patches, dm.num_feature_patches, dm.noise_std, 0)
+                      if has_head else 0.0)
         bounds.append(tr.bounds)
     n = len(idx)
     gap = (out["loss"][-1, idx] - opt).tolist()
@@ -196,82 +211,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
                   f"{sum(a == 'DIV' != b for a, b in ab)}, only without head "
                   f"{sum(b == 'DIV' != a for a, b in ab)} of {len(ab)}. Outcomes per seed: head: "
                   f"{pair[0]['outcomes']}; no head: {pair[1]['outcomes']}"]
-    return "\n".join(lines) + "\n"
-
-
-def _positive(kind):
-    def parse(text):
-        value = kind(text)
-        if not 0 < value < math.inf:
-            raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
-        return value
-    return parse
-
-
-def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    add_output_arguments(ap, "runs/noncontrastive")
-    add_seed_argument(ap, default=tuple(range(100, 116)))
-    ap.add_argument("--preset", nargs="+", default=["demoA"], choices=sorted(PRESETS),
-                    help="data size(s): demoA = d 100, P 32; demoA-d200 / demoA-d300: d 200 / 300 (default demoA)")
-    ap.add_argument("--dim", type=int, nargs="+", help="d, replacing the presets' (several: one row pair each)")
-    ap.add_argument("--num-patches", type=int, help="P, replacing the presets' (even, > P0 = 8)")
-    ap.add_argument("--lr", type=_positive(float), default=LR, help=f"eta = eta_E (default {LR})")
-    ap.add_argument("--steps", type=_positive(int),
-                    help="steps at every size (default: the step rule, 2.5e5 (d/100)^2 at eta 0.2)")
-    ap.add_argument("--records", type=_positive(int), default=500, help="recorded points per run (default 500)")
-    ap.add_argument("--trajectory-seeds", type=int, default=4,
-                    help="seeds whose E21 trajectory is saved in the JSON (default 4)")
-    ap.add_argument("--no-compile", action="store_true")
-    args = ap.parse_args(argv)
-    apply_shared_options(ap, args)
-    if args.dim is not None and min(args.dim) < 4:
-        ap.error(f"--dim: must be >= 4 (two features and noise room for two neurons), got {min(args.dim)}")
-    p0 = DEMO_A["num_feature_patches"]
-    if args.num_patches is not None and (args.num_patches % 2 or args.num_patches <= p0):
-        ap.error(f"--num-patches: must be even (two equal views) and > {p0} (the feature patches), "
-                 f"got {args.num_patches}")
-    if args.trajectory_seeds < 0:
-        ap.error(f"--trajectory-seeds: must be >= 0, got {args.trajectory_seeds}")
-    return args
-
-
-def sizes(args) -> list[dict]:
-    out = []
-    for name in args.preset:
-        for dim in args.dim or [PRESETS[name]["dim"]]:
-            size = dict(PRESETS[name], dim=dim)
-            if args.num_patches is not None:
-                size["num_patches"] = args.num_patches
-            if size not in out:
-                out.append(size)
-    return out
-
-
-def run_size(size: dict, args) -> tuple[list[dict], dict, dict]:
-    t0 = time.time()
-    dm = TwoFeaturePatchDataModule(**size, batch_size=1)
-    seeds = args.seed
-    steps = args.steps or step_rule(size["dim"], args.lr)
-    chunk = 10
-    record_every = max(chunk, steps // args.records // chunk * chunk)
-    w0 = initial_weights(seeds, dm)
-    n = len(seeds)
-    out = simulate_population(torch.cat([w0, w0]), dm.features, dm.alphas, dm.probs, dm.num_patches,
-                              dm.num_feature_patches, dm.noise_std, steps=steps, lr=args.lr, head_lr=args.lr,
-                              head=["offdiag"] * n + ["none"] * n, record_every=record_every,
-                              compile=not args.no_compile, chunk=chunk)
-    sim_s = time.time() - t0
-    rows = [summarise(HEAD, out, list(range(n)), dm, 1.0, True),
-            summarise(NO_HEAD, out, list(range(n, 2 * n)), dm, 1.0, False, race_rule(w0, dm))]
-    meta = {"dim": size["dim"], "lr": args.lr, "steps": steps, "flow_time": args.lr * steps,
-            "record_every": record_every, "sim_s": round(sim_s, 1)}
-    # every 5th recorded point keeps the JSON small and still resolves the ~5% of the run E21 takes to fall
-    keep = slice(None, None, 5)
-    k = min(args.trajectory_seeds, n)
-    traj = {"dim": size["dim"], "steps": out["steps"][keep].tolist(),
-            "E21_by_seed": {str(seeds[i]): [round(float(x), 4) for x in out["E"][keep, i, 1, 0]] for i in range(k)}}
-    return rows, meta, traj
+    return "\n".join(lines)
 
 
 def seed_ranges(seeds: list[int]) -> str:
@@ -290,42 +230,102 @@ def seed_ranges(seeds: list[int]) -> str:
     return ", ".join(str(a) if a == b else f"{a}..{b}" for a, b in runs)
 
 
-def _compact_json(obj: dict) -> str:
-    """One line per row / trajectory so the committed file stays readable at a glance."""
-    def fmt(v):
-        return json.dumps(v, separators=(", ", ": "))
-    parts = [f' "meta": {fmt(obj["meta"])}', ' "rows": [\n' + ",\n".join("  " + fmt(r) for r in obj["rows"]) + "\n ]",
-             ' "E21_trajectories": [\n' + ",\n".join("  " + fmt(t) for t in obj["E21_trajectories"]) + "\n ]"]
-    return "{\n" + ",\n".join(parts) + "\n}\n"
+def _option(kind, ok, what: str):
+    """An argparse type: ``kind(text)`` if ``ok`` of it, else an error naming the rule and the value."""
+    def parse(text):
+        value = kind(text)
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text}")
+        return value
+    return parse
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = experiment_parser(__doc__.split("\n")[0], "runs/noncontrastive")
+    ap.set_defaults(seed=list(range(100, 116)))
+    ap.add_argument("--preset", nargs="+", default=["demoA"], choices=sorted(SETTINGS["presets"]),
+                    help="sizes from configs/noncontrastive/experiment.yaml: demoA = d 100; demoA-d200 / demoA-d300 "
+                         "(default demoA)")
+    positive = "a finite number > 0"
+    p0 = _data_args(next(iter(SETTINGS["variants"].values())))["num_feature_patches"]
+    ap.add_argument("--dim", type=_option(int, lambda v: v >= 4, ">= 4 (two features and noise room for two neurons)"),
+                    nargs="+", help="d, replacing the presets' (several: one row pair each)")
+    ap.add_argument("--num-patches", type=_option(int, lambda v: v % 2 == 0 and v > p0, f"even (two equal views) and "
+                                                   f"> {p0} (the feature patches)"), help="P, replacing the data's")
+    ap.add_argument("--lr", type=_option(float, lambda v: 0 < v < math.inf, positive), default=SETTINGS["lr"],
+                    help=f"eta = eta_E (default {SETTINGS['lr']}, experiment.yaml)")
+    ap.add_argument("--steps", type=_option(int, lambda v: v > 0, positive),
+                    help="steps at every size (default: the step rule, 2.5e5 (d/100)^2 at eta 0.2)")
+    ap.add_argument("--records", type=_option(int, lambda v: v > 0, positive), default=500,
+                    help="recorded points per run (default 500)")
+    ap.add_argument("--trajectory-seeds", type=_option(int, lambda v: v >= 0, ">= 0"), default=4,
+                    help="seeds whose E21 trajectory is saved in the JSON (default 4)")
+    ap.add_argument("--no-compile", action="store_true")
+    return parse_experiment_args(ap, argv)
+
+
+def sizes(args) -> list[dict]:
+    dims = args.dim or [SETTINGS["presets"][name]["dim"] for name in args.preset]
+    return [{"dim": d} for d in dict.fromkeys(dims)]
+
+
+def run_size(size: dict, args) -> tuple[list[dict], dict, dict, dict]:
+    t0 = time.time()
+    (head_name, (head_model, dm)), (none_name, (none_model, none_dm)) = variants(size, args, args.out).items()
+    if dict(dm.hparams) != dict(none_dm.hparams):
+        raise ValueError("the variants of experiment.yaml must share their data (one batched simulation)")
+    seeds, n = args.seed, len(args.seed)
+    steps = args.steps or step_rule(size["dim"], args.lr)
+    record_every = max(CHUNK, steps // args.records // CHUNK * CHUNK)
+    w0 = torch.cat([initial_weights(head_model, dm, seeds), initial_weights(none_model, dm, seeds)])
+    out = simulate_population(w0, dm.features, dm.alphas, dm.probs, dm.num_patches, dm.num_feature_patches,
+                              dm.noise_std, steps=steps, lr=args.lr, head_lr=args.lr,
+                              head=[head_model.head_kind] * n + [none_model.head_kind] * n,
+                              record_every=record_every, compile=not args.no_compile, chunk=CHUNK, progress=True)
+    sim_s = time.time() - t0
+    rows = [summarise(head_name, out, list(range(n)), dm, 1.0, head_model.head_kind != "none"),
+            summarise(none_name, out, list(range(n, 2 * n)), dm, 1.0, none_model.head_kind != "none",
+                      race_rule(w0[n:], dm))]
+    meta = {"dim": size["dim"], "lr": args.lr, "steps": steps, "flow_time": args.lr * steps,
+            "record_every": record_every, "sim_s": round(sim_s, 1)}
+    # every 5th recorded point keeps the JSON small and still resolves the ~5% of the run E21 takes to fall
+    keep = slice(None, None, 5)
+    k = min(args.trajectory_seeds, n)
+    traj = {"dim": size["dim"], "steps": out["steps"][keep].tolist(),
+            "E21_by_seed": {str(seeds[i]): [round(float(x), 4) for x in out["E"][keep, i, 1, 0]] for i in range(k)}}
+    by_outcome: dict[str, list] = {}
+    for i, outcome in enumerate(rows[0]["outcomes"].split()):
+        by_outcome.setdefault(outcome, []).append(out["E"][:, i, 1, 0])
+    figure = curves_figure(out["steps"], dict(sorted(by_outcome.items())), xlabel="step", ylabel="E21",
+                           title=f"{head_name}, d = {size['dim']}: E21 per seed, by outcome")
+    return rows, meta, traj, figure
 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    out_dir = output_dir(args.out, args.overwrite)
+    quiet_lightning()
     t0 = time.time()
-    rows, size_meta, trajs = [], [], []
-    for size in sizes(args):
-        r, m, tr = run_size(size, args)
-        # the larger sizes take minutes each
-        print(f"d={m['dim']}: {m['steps']} steps at lr {m['lr']} in {m['sim_s']} s", flush=True)
+    rows, size_meta, trajs, figures = [], [], [], {}
+    for size in progress(sizes(args), "sizes"):
+        r, m, tr, fig = run_size(size, args)
         rows += r
         size_meta.append(m)
         trajs.append(tr)
-    first = sizes(args)[0]
-    meta = {"num_patches": first["num_patches"], "num_feature_patches": first["num_feature_patches"],
-            "alphas": first["alphas"], "noise_std": first["noise_std"], "width": 2,
+        figures[f"E21_d{m['dim']}"] = fig
+    data = _data_args(next(iter(SETTINGS["variants"].values())))
+    meta = {"num_patches": args.num_patches or data["num_patches"], "num_feature_patches": data["num_feature_patches"],
+            "alphas": data["alphas"], "noise_std": data["noise_std"], "width": 2,
             "seeds": seed_ranges(args.seed),
             "step_rule": ("steps fixed by --steps" if args.steps else
-                          f"eta = eta_E = {args.lr}, steps = {FLOW_TIME_AT_D100:g} (d/100)^2 / eta"),
+                          f"eta = eta_E = {args.lr}, steps = {SETTINGS['flow_time_at_d100']:g} (d/100)^2 / eta"),
             "mode": "population GD", "compile": not args.no_compile, "threads": args.threads,
             "wall_s": round(time.time() - t0, 1), "sizes": size_meta,
             "command": shlex.join(["python", "-m", "featlearn.experiments.noncontrastive",
                                    *(sys.argv[1:] if argv is None else argv)])}
-    md = markdown(rows, meta)
-    print(md)
+    figures["outcomes"] = bars_figure({f"d={r['dim']}, {r['variant']}": {c: r[c] for c in ("DIV", "COL", "PAR")}
+                                       for r in rows}, ylabel="fraction of runs", title="outcome per variant")
     result = {"meta": meta, "rows": rows, "E21_trajectories": trajs}
-    (out_dir / "noncontrastive.json").write_text(_compact_json(result))
-    (out_dir / "noncontrastive.md").write_text(md)
+    write_results(args.out, "noncontrastive", result, markdown(rows, meta), figures)
     return result
 
 

@@ -8,11 +8,12 @@ import lightning as L
 import pytest
 import torch
 
-from featlearn.datamodules.two_feature_patches import TwoFeaturePatchDataModule, hypergeometric_moments
+from featlearn.datamodules.two_feature_patches import TwoFeaturePatchDataModule
 from featlearn.errors import ConfigError
 from featlearn.kernels.bn_cosine_loss import bn_cosine_loss_reference
-from featlearn.lightning_modules.noncontrastive import (NonContrastiveModule, PhaseTracker, feature_outcome,
-                                                        population_loss, simulate_population)
+from featlearn.lightning_modules.noncontrastive import NonContrastiveModule
+from featlearn.theory.noncontrastive import (PhaseTracker, feature_outcome, hypergeometric_moments, population_loss,
+                                             simulate_population)
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -32,11 +33,11 @@ class _Record(L.Callback):
         self.heads.append(pl_module.head.detach().clone())
 
 
-def _fit(model, dm, steps):
+def _fit(model, dm, steps, every=50):
     rec = _Record()
-    trainer = L.Trainer(max_steps=steps, max_epochs=-1, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
-                        limit_val_batches=0, num_sanity_val_steps=0, callbacks=[rec])
+    trainer = L.Trainer(max_steps=steps, max_epochs=-1, log_every_n_steps=every, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        accelerator="cpu", limit_val_batches=0, num_sanity_val_steps=0, callbacks=[rec])
     trainer.fit(model, datamodule=dm)
     return rec.heads
 
@@ -52,8 +53,8 @@ def _pin_lagging(model, dm, lead_cos=0.8):
 
 def test_diag_of_head_never_changes_and_variants():
     dm = _small_dm()
-    model = NonContrastiveModule(width=3, lr=0.05, head_lr=0.5, log_every_n_steps=2)
-    heads = _fit(model, dm, 6)
+    model = NonContrastiveModule(width=3, lr=0.05, head_lr=0.5)
+    heads = _fit(model, dm, 6, every=2)
     assert len(heads) == 6
     for e in heads:
         assert torch.equal(torch.diagonal(e), torch.ones(3, dtype=e.dtype))    # exactly 1, every step
@@ -161,9 +162,9 @@ def test_short_sgd_run_e21_rises():
     """Fixed seed, explicit samples, Lightning loop: from the phase-II state (neuron 0 on v1, neuron 1 noise
     with B21 > 0) E21 rises with the sign of B21 B11 while the diagonal stays 1."""
     dm = TwoFeaturePatchDataModule(dim=24, num_patches=16, num_feature_patches=4, batch_size=1024, seed=3)
-    model = NonContrastiveModule(width=2, lr=0.05, head_lr=0.2, init_seed=3, log_every_n_steps=10).attach(dm)
+    model = NonContrastiveModule(width=2, lr=0.05, head_lr=0.2, init_seed=3).attach(dm)
     _pin_lagging(model, dm)
-    heads = _fit(model, dm, 30)
+    heads = _fit(model, dm, 30, every=10)
     e21 = torch.stack([h[1, 0] for h in heads])
     b = model.w.detach() @ dm.features.T
     assert float(b[1, 0] * b[0, 0]) > 0
@@ -206,7 +207,8 @@ def test_config_errors(kw, field):
         NonContrastiveModule(**kw)
 
 
-CONFIGS = sorted(glob.glob(str(Path(__file__).resolve().parents[1] / "configs" / "noncontrastive" / "*.yaml")))
+CONFIGS = sorted(c for c in glob.glob(str(Path(__file__).resolve().parents[1] / "configs/noncontrastive/*.yaml"))
+                 if "\nmodel:" in Path(c).read_text())  # runnable configs, not the data presets or the experiment
 
 
 def test_all_variant_configs_exist():
@@ -222,7 +224,7 @@ def test_configs_run_through_cli(config, tmp_path, monkeypatch):
           "--trainer.default_root_dir", str(tmp_path), "--trainer.enable_progress_bar", "false",
           "--trainer.accelerator", "cpu", "--data.init_args.dim", "10", "--data.init_args.num_patches", "8",
           "--data.init_args.num_feature_patches", "2", "--data.init_args.batch_size", "16",
-          "--model.init_args.log_every_n_steps", "1", "--heatmap.every_n_steps", "1"])
+          "--trainer.log_every_n_steps", "1", "--heatmap.every_n_steps", "1"])
 
 
 @pytest.mark.parametrize("head", ["offdiag", "none"])
@@ -236,8 +238,7 @@ def test_lightning_population_mode_equals_simulator(head):
     steps, every, d = 400, 20, 100
     dm = TwoFeaturePatchDataModule(dim=d, num_patches=32, num_feature_patches=8, alphas=[4.0, 2.7], batch_size=2,
                                    seed=4)
-    model = NonContrastiveModule(width=2, head=head, gradient="population", lr=0.2, head_lr=0.1,
-                                 log_every_n_steps=every).attach(dm)
+    model = NonContrastiveModule(width=2, head=head, gradient="population", lr=0.2, head_lr=0.1).attach(dm)
     b = torch.tensor([[0.0822, -0.1303], [0.0346, 0.0330]], dtype=torch.float64)
     a = torch.tensor([[0.7993, -0.1030], [-0.1030, 0.8948]], dtype=torch.float64)
     with torch.no_grad():
@@ -245,7 +246,7 @@ def test_lightning_population_mode_equals_simulator(head):
         model.w[:, :2] = b
         model.w[:, 2:4] = torch.linalg.cholesky(a)                             # noise Gram U U^T = a
     w0 = model.w.detach().clone()
-    _fit(model, dm, steps)
+    _fit(model, dm, steps, every)
     out = simulate_population(w0[None], dm.features, dm.alphas, dm.probs, 32, 8, 1.0, steps=steps, lr=0.2,
                               head_lr=0.1, head=head, record_every=every)
     logged = [h for h in model.history if h["step"] % every == 0]
@@ -255,6 +256,9 @@ def test_lightning_population_mode_equals_simulator(head):
     assert float((b_mod - out["B"][:-1, 0]).abs().max()) <= 1e-12              # whole trajectory, |B| <= 1
     assert torch.allclose(model.w.detach(), out["w"][0], rtol=1e-12, atol=1e-14)     # final point
     assert torch.allclose(model.head.detach(), out["head"][0], rtol=1e-12, atol=1e-14)
+    # the module's running peak of |E| (its HPARAMS result) is the simulator's, over every step
+    assert torch.allclose(model.head_peak, out["E_peak"][0], rtol=1e-12, atol=1e-14)
+    assert model.final_metrics()["peak_abs_E21"] == pytest.approx(float(out["E_peak"][0, 1, 0]), rel=1e-12)
     e21 = out["E"][:, 0, 1, 0]
     if head == "offdiag":
         e_mod = torch.tensor([h["head/E_1_0"] for h in logged], dtype=torch.float64)

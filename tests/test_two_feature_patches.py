@@ -4,8 +4,9 @@ import math
 import pytest
 import torch
 
-from featlearn.datamodules.two_feature_patches import TwoFeaturePatchDataModule, hypergeometric_moments
+from featlearn.datamodules.two_feature_patches import TwoFeaturePatchDataModule
 from featlearn.errors import ConfigError
+from featlearn.theory.noncontrastive import hypergeometric_moments
 
 
 def _dm(**kw):

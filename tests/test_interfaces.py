@@ -1,0 +1,80 @@
+"""The interfaces every method shares: declared DataModule pairing, what a run shows in TensorBoard
+(heat-map figures, HPARAMS with results and without private keys), the step progress bar, and the
+command line every experiment starts from."""
+import importlib
+from pathlib import Path
+
+import pytest
+import yaml
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from featlearn.cli import main, make_cli
+from featlearn.datamodules.base import SyntheticDataModule
+from featlearn.experiments.common import experiment_parser, parse_experiment_args
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = sorted(p for p in (ROOT / "configs").rglob("*.yaml") if "model" in yaml.safe_load(p.read_text()))
+
+
+def _class(path: str):
+    module, _, name = path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda p: str(p.relative_to(ROOT / "configs")))
+def test_every_config_pairs_the_declared_datamodule(config):
+    cli = make_cli(["--config", str(config), "--trainer.logger", "false"], run=False)
+    declared = type(cli.model).datamodule_class
+    assert declared is not SyntheticDataModule, f"{type(cli.model).__name__} declares no datamodule_class"
+    assert type(cli.datamodule) is declared
+
+
+def test_a_module_refuses_another_datamodule(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    config = tmp_path / "mixed.yaml"
+    config.write_text(yaml.safe_dump({
+        "trainer": {"max_steps": 1, "logger": False},
+        "model": {"class_path": "featlearn.lightning_modules.mrp.MaskedAutoencoderMRP"},
+        "data": {"class_path": "featlearn.datamodules.sparse_coding.SparseCodingDataModule",
+                 "init_args": {"d": 16, "d1": 64, "batch_size": 32, "num_negatives": 32, "mode": "online"}}}))
+    with pytest.raises(SystemExit) as stop:
+        main(["fit", "--config", str(config)])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "Traceback" not in err
+    assert "data.class_path: must be featlearn.datamodules.multiview.MultiViewDataModule" in err
+    assert not list(tmp_path.rglob("*.ckpt"))
+
+
+def test_a_run_shows_figures_results_and_clean_hparams(tmp_path, one_thread):
+    cli = make_cli(["--config", str(ROOT / "configs/mrp/mae.yaml"), "--trainer.max_steps", "4",
+                    "--trainer.logger.init_args.save_dir", str(tmp_path), "--trainer.logger.init_args.version", "v",
+                    "--heatmap.every_n_steps", "2", "--trainer.enable_model_summary", "false"], run=False)
+    cli.trainer.fit(cli.model, cli.datamodule)
+    bar = cli.trainer.progress_bar_callback
+    assert type(bar).__name__ == "StepProgressBar" and bar.total_train_batches == 4
+    assert bar.train_progress_bar.n == 4  # steps, not batches of the current epoch
+
+    run = next(tmp_path.rglob("hparams.yaml")).parent
+    hparams = yaml.safe_load((run / "hparams.yaml").read_text())
+    assert not [k for k in hparams if k.startswith("_")], "LightningCLI bookkeeping leaked into hparams.yaml"
+    assert hparams["data.k"] == 10 and hparams["q"] == 4  # the data's arguments beside the model's
+
+    events = EventAccumulator(str(run))
+    events.Reload()
+    assert "heatmap/correlation" in events.Tags()["images"]
+    results = [t for t in events.Tags()["scalars"] if t.startswith("hp/")]
+    assert results, "final_metrics() reached no hp/ scalar"
+    assert "hp_metric" not in events.Tags()["scalars"]
+
+
+def test_experiment_command_line(tmp_path, capsys):
+    parser = experiment_parser("demo", str(tmp_path / "out"))
+    args = parse_experiment_args(parser, ["--seed", "3", "1"])
+    assert args.seed == [3, 1] and args.out == tmp_path / "out" and args.out.is_dir()
+    (args.out / "table.md").write_text("x")
+    assert parse_experiment_args(parser, []).out == tmp_path / "out-2"  # a rerun never mixes with the last
+    with pytest.raises(SystemExit):
+        parse_experiment_args(parser, ["--seed", "1", "1"])
+    assert "--seed: seeds must be distinct" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_experiment_args(parser, ["--threads", "0"])
