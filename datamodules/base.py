@@ -101,19 +101,23 @@ class SyntheticDataModule(L.LightningDataModule):
         without clashing with model arguments of the same name (``rho``, ``seed``)."""
         return AttributeDict({f"data.{k}": v for k, v in super().hparams_initial.items() if not k.startswith("_")})
 
-    @staticmethod
-    def check_memory(func, sizes: dict, mode: str, batch_size: int | None, num_train: int, num_val: int,
-                     num_test: int, train_values: float, eval_values: float, out_bytes: int, consts: float = 0,
-                     gen_bytes: float = GEN_BYTES) -> None:
+    def check_memory(self, sizes: dict, train_values: float, eval_values: float, out_bytes: int,
+                     consts: float = 0, gen_bytes: float = GEN_BYTES) -> None:
         """Refuse, before allocating anything, sizes whose data cannot fit in the free memory of the
-        device that will generate it (see :func:`featlearn.validation.check_memory`).
+        device that will generate it (see :func:`featlearn.validation.check_memory`). Call it at the end
+        of a subclass's ``__init__``.
 
         The estimate adds the constants (``consts`` bytes), the cached fixed splits (val, test, and train
         in fixed mode), one training batch, and the generator's temporaries while the largest split or
         batch is drawn (``gen_bytes`` per value). ``train_values`` / ``eval_values`` are the values per
-        training / evaluation sample, ``out_bytes`` the size of one. The field named is the entry of
-        ``sizes`` (field: value) that grew most over its default in ``func``'s signature.
+        training / evaluation sample, ``out_bytes`` the size of one. The field named is the one of
+        ``sizes`` (the subclass's own size fields: value) or of the split sizes that grew most over its
+        default.
         """
+        mode, batch_size = self.mode, self.batch_size
+        num_train, num_val, num_test = self.sizes["train"], self.sizes["val"], self.sizes["test"]
+        sizes = {"num_train": num_train, "num_val": num_val, "num_test": num_test, "batch_size": batch_size or 0,
+                 **sizes}
         train_rows = num_train if mode == "fixed" else 0
         cached = ((num_val + num_test) * eval_values + train_rows * train_values) * out_bytes
         batch = (batch_size or num_train) * train_values * out_bytes
@@ -123,7 +127,7 @@ class SyntheticDataModule(L.LightningDataModule):
         needed = consts + cached + batch + temporaries
         what = (f"the data (constants {format_bytes(consts)}, cached splits {format_bytes(cached)}, one batch "
                 f"{format_bytes(batch)}, generation temporaries {format_bytes(temporaries)})")
-        check_memory("data", func, sizes, needed, what)
+        check_memory("data", type(self), sizes, needed, what)
 
     # --- to implement -------------------------------------------------------------------------
     def sample(self, index: torch.Tensor, split: str) -> dict[str, torch.Tensor]:

@@ -9,9 +9,12 @@ patches, ``gamma k / sqrt(d)`` on background patches). Coefficients split a per-
 equally over its patches: own ``S ~ U[1, 1.2]``, single-view weak ``U[rho, 1.2 rho]``, off-class
 ``U[0.2, 0.4]`` (spec 1.5).
 
-Splits: the training split is the unlabelled pretraining set (``train_set="pretrain"``, size
-``num_pretrain``) or the labelled downstream set (``train_set="downstream"``, ``num_downstream``),
-drawn from disjoint random streams; ``val`` and ``test`` are further disjoint draws.
+Splits: the training split is the unlabelled pretraining set (size ``num_pretrain``) or the labelled
+downstream set (``num_downstream``), drawn from disjoint random streams; which one is the module's choice
+(its ``train_set``, handed over by :meth:`MultiViewDataModule.use_train_set` in its ``build``), so one data
+preset serves pretraining, fine-tuning and supervised learning. ``val`` and ``test`` are further disjoint
+draws. Masked pretraining with sampled masks asks for a keep-mask per training sample
+(:meth:`MultiViewDataModule.use_masks`): batches then carry ``mask`` ``[B, P]``.
 
 Example:
     >>> dm = MultiViewDataModule(k=4, d=16, P=10, s=1, num_pretrain=8)
@@ -45,8 +48,8 @@ class MultiViewDataModule(SyntheticDataModule):
         sigma_p: noise std on feature patches. gamma: feature-noise level (alpha ~ U[0, gamma]).
         close_prob: probability of putting a feature sum at its end point (1 own, 0.4 off-class).
         basis: ``identity`` (v = first 2k coordinate axes) or ``random`` orthonormal features.
-        train_set: which set the training split is. num_pretrain, num_downstream: their sizes.
-        Remaining arguments: :class:`SyntheticDataModule`.
+        num_pretrain, num_downstream: sizes of the two training sets (see :meth:`use_train_set`).
+        ``**synthetic``: seed, mode, batch_size, steps_per_epoch, shuffle (:class:`SyntheticDataModule`).
     """
 
     def __init__(
@@ -63,16 +66,11 @@ class MultiViewDataModule(SyntheticDataModule):
         gamma: NonNegativeFloat = 0.002,
         close_prob: ClosedUnitInterval = 0.0,
         basis: Literal["identity", "random"] = "identity",
-        train_set: Literal["pretrain", "downstream"] = "pretrain",
         num_pretrain: PositiveInt = 1000,
         num_downstream: PositiveInt = 500,
-        seed: int = 0,
-        mode: Literal["fixed", "online"] = "fixed",
-        batch_size: PositiveInt | None = None,
         num_val: PositiveInt = 1000,
         num_test: PositiveInt = 2000,
-        steps_per_epoch: PositiveInt = 100,
-        shuffle: bool = True,
+        **synthetic,
     ):
         check_args("data", MultiViewDataModule.__init__, locals())
         if d < 2 * k:
@@ -81,23 +79,52 @@ class MultiViewDataModule(SyntheticDataModule):
             raise ConfigError("data.s", f"in [0, k = {k}]", s)
         if P < C_p * (2 + 4 * s):
             raise ConfigError("data.P", f"at least C_p (2 + 4 s) = {C_p * (2 + 4 * s):g} patches", P)
-        num_train = num_pretrain if train_set == "pretrain" else num_downstream
-        train_field = "data.num_pretrain" if train_set == "pretrain" else "data.num_downstream"
-        if mode == "fixed" and batch_size is not None and batch_size > num_train:
-            # checked here, not in the base class, so the message names the field the user sets
-            raise ConfigError("data.batch_size", f"at most {train_field} = {num_train} in fixed mode", batch_size)
-        sizes = {"d": d, "P": P, "k": k, train_field[5:]: num_train, "num_val": num_val, "num_test": num_test,
-                 "batch_size": batch_size or 0}
-        per_sample = P * d
-        self.check_memory(MultiViewDataModule.__init__, sizes, mode, batch_size, num_train, num_val, num_test,
-                          train_values=per_sample, eval_values=per_sample, out_bytes=4,
+        # the module picks the training set later (use_train_set): sized for the larger
+        super().__init__(num_train=max(num_pretrain, num_downstream), num_val=num_val, num_test=num_test, **synthetic)
+        self.check_memory({"d": d, "P": P, "k": k, "num_pretrain": num_pretrain, "num_downstream": num_downstream},
+                          train_values=P * d, eval_values=P * d, out_bytes=4,
                           consts=2 * k * d * (32 if basis == "random" else 4))
-        super().__init__(seed, mode, batch_size, num_train, num_val, num_test, steps_per_epoch, shuffle)
-        self.train_field = train_field
+        self.train_sizes = {"pretrain": num_pretrain, "downstream": num_downstream}
         self.k, self.d, self.P, self.C_p, self.s, self.mu, self.rho = k, d, P, C_p, s, mu, rho
         self.eval_mu = mu if eval_mu is None else eval_mu
-        self.sigma_p, self.gamma, self.close_prob, self.basis, self.train_set = sigma_p, gamma, close_prob, basis, train_set
+        self.sigma_p, self.gamma, self.close_prob, self.basis = sigma_p, gamma, close_prob, basis
         self._features = self._make_features()
+        self.mask_keep, self.mask_seed, self._devices = None, 0, 1
+        self._select("pretrain")
+
+    def _select(self, train_set: str) -> None:
+        self.train_set, self.train_field = train_set, f"data.num_{train_set}"
+        self.sizes["train"] = self.train_sizes[train_set]
+        self._cache = {key: value for key, value in self._cache.items() if key[0] != "train"}
+
+    def use_train_set(self, train_set: Literal["pretrain", "downstream"]) -> None:
+        """Make ``train_set`` the training split (called by the module's ``build``; default ``pretrain``)."""
+        self._select(train_set)
+        if self.mode == "fixed" and self.batch_size is not None and self.batch_size > self.sizes["train"]:
+            # checked here, not in the base class, so the message names the field the user sets
+            raise ConfigError("data.batch_size", f"at most {self.train_field} = {self.sizes['train']} in fixed mode",
+                              self.batch_size)
+        super().check_devices(self._devices)
+
+    def check_devices(self, world_size: int) -> None:
+        # The training set is the module's choice, so the check waits for use_train_set.
+        self._devices = world_size
+
+    def use_masks(self, keep: float, seed: int) -> None:
+        """Add a keep-mask ``[B, P]`` (each patch kept with probability ``keep``) to every training batch,
+        a function of (seed, global step, sample index)."""
+        self.mask_keep, self.mask_seed = keep, seed
+
+    def keep_mask(self, index: torch.Tensor, step: int) -> torch.Tensor:
+        """The keep-mask of these samples at training step ``step`` (see :meth:`use_masks`)."""
+        return rng.bernoulli(self.mask_seed, 100_000 + step, index, (self.P,), self.mask_keep).float()
+
+    def on_after_batch_transfer(self, batch, dataloader_idx: int):
+        train = isinstance(batch, dict) and batch.get("split") == "train"
+        batch = super().on_after_batch_transfer(batch, dataloader_idx)
+        if train and self.mask_keep is not None:
+            batch["mask"] = self.keep_mask(batch["index"], self._world()[0])
+        return batch
 
     def _make_features(self) -> torch.Tensor:
         if self.basis == "identity":

@@ -25,7 +25,9 @@ sample and its two views are identical whatever the batch size or device. Traini
   one-device step on the same global batch. ``"per_anchor"`` gives every anchor its own ``N``
   negatives ``[B, N, d1]`` (the paper-exact estimator; memory ``B N d1``, tiny sizes only).
 
-Validation/test batches hold ``x, z, xi, y_reg, y_cls`` only (used by the probes and metrics).
+Validation/test batches hold ``x, z, xi, y_reg, y_cls`` only (used by the probes and metrics). The test stage
+reads the validation split, then the test split (:meth:`SparseCodingDataModule.test_dataloader`): the probes
+are fitted on the first and scored on the second.
 
 Example:
     >>> dm = SparseCodingDataModule(d=16, d1=64, batch_size=8, num_negatives=8)
@@ -89,6 +91,10 @@ class SparseCodingDataModule(SyntheticDataModule):
             :class:`~featlearn.datamodules.base.SyntheticDataModule` (``batch_size`` = K anchors/step).
     """
 
+    pool_negatives = staticmethod(pool_negatives)
+    """How a model pools the representations of the anchors' own negatives it gathered from every device
+    (batches with ``neg_pool_size``): :func:`pool_negatives`."""
+
     def __init__(
         self,
         d: int_at_least(3) = 32,  # log log d must be > 0
@@ -103,14 +109,9 @@ class SparseCodingDataModule(SyntheticDataModule):
         augment_negatives: bool = False,
         num_negatives: PositiveInt = 256,
         negatives: Literal["shared", "per_anchor"] = "shared",
-        seed: int = 0,
-        mode: Literal["fixed", "online"] = "online",
-        batch_size: PositiveInt | None = 256,
-        num_train: PositiveInt = 4096,
-        num_val: PositiveInt = 8000,
-        num_test: PositiveInt = 4000,
-        steps_per_epoch: PositiveInt = 100,
-        shuffle: bool = True,
+        # SyntheticDataModule's arguments whose defaults differ here; the others pass through **synthetic
+        mode: Literal["fixed", "online"] = "online", batch_size: PositiveInt | None = 256,
+        num_val: PositiveInt = 8000, num_test: PositiveInt = 4000, **synthetic,
     ):
         check_args("data", SparseCodingDataModule.__init__, locals())
         if d1 <= d:
@@ -121,16 +122,13 @@ class SparseCodingDataModule(SyntheticDataModule):
                 raise ConfigError("data.p", "in (0, 1] (C_z log log d / d is outside it)", p)
         if sigma_xi is None:
             sigma_xi = math.sqrt(C_xi * math.sqrt(math.log(d)) / d)
-        per_step = batch_size if batch_size is not None else num_train
+        super().__init__(mode=mode, batch_size=batch_size, num_val=num_val, num_test=num_test, **synthetic)
+        per_step = batch_size if batch_size is not None else self.sizes["train"]
         owned = num_negatives if negatives == "per_anchor" else math.ceil(num_negatives / per_step)
         # a training sample holds x, z, xi, x_a, x_q and its negatives; an evaluation sample x, z, xi
-        self.check_memory(SparseCodingDataModule.__init__,
-                          {"d": d, "d1": d1, "num_negatives": num_negatives, "batch_size": batch_size or 0,
-                           "num_train": num_train, "num_val": num_val, "num_test": num_test}, mode, batch_size,
-                          num_train, num_val, num_test, train_values=4 * d1 + d + owned * (d1 + d),
-                          eval_values=2 * d1 + d, out_bytes=4, consts=32 * d1 * d)
-        super().__init__(seed=seed, mode=mode, batch_size=batch_size, num_train=num_train, num_val=num_val,
-                         num_test=num_test, steps_per_epoch=steps_per_epoch, shuffle=shuffle)
+        self.check_memory({"d": d, "d1": d1, "num_negatives": num_negatives},
+                          train_values=4 * d1 + d + owned * (d1 + d), eval_values=2 * d1 + d, out_bytes=4,
+                          consts=32 * d1 * d)
         self.d, self.d1 = d, d1
         self.C_z, self.C_xi = C_z, C_xi
         self.p, self.sigma_xi = float(p), float(sigma_xi)
@@ -249,6 +247,10 @@ class SparseCodingDataModule(SyntheticDataModule):
             else:
                 out["x_neg"] = pool_negatives(out["x_neg"], index, self.num_negatives)
         return out
+
+    def test_dataloader(self) -> list:
+        """The validation split (dataloader 0), then the test split (dataloader 1)."""
+        return [self._loader("val"), self._loader("test")]
 
     # ------------------------------------------------------------------------------------------
     # closed forms (spec 1.2 / 2.3)

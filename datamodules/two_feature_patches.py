@@ -81,14 +81,9 @@ class TwoFeaturePatchDataModule(SyntheticDataModule):
         co_occur: bool = False,
         random_basis: bool = False,
         dtype: Literal["float32", "float64"] = "float64",
-        seed: int = 0,
-        mode: Literal["fixed", "online"] = "online",
-        batch_size: PositiveInt | None = 4096,
-        num_train: PositiveInt = 4096,
-        num_val: PositiveInt = 8192,
-        num_test: PositiveInt = 8192,
-        steps_per_epoch: PositiveInt = 100,
-        shuffle: bool = True,
+        # SyntheticDataModule's arguments whose defaults differ here; the others pass through **synthetic
+        mode: Literal["fixed", "online"] = "online", batch_size: PositiveInt | None = 4096,
+        num_val: PositiveInt = 8192, num_test: PositiveInt = 8192, **synthetic,
     ):
         check_args("data", TwoFeaturePatchDataModule.__init__, locals())
         alphas = [float(a) for a in alphas]
@@ -110,17 +105,12 @@ class TwoFeaturePatchDataModule(SyntheticDataModule):
             feature_probs = probs
         if co_occur and (k != 2 or num_feature_patches < 2):
             raise ConfigError("data.co_occur", "False unless there are 2 features and P0 >= 2", co_occur)
+        super().__init__(mode=mode, batch_size=batch_size, num_val=num_val, num_test=num_test, **synthetic)
         item = _DTYPES[dtype].itemsize
         # x and the two patch masks per sample; drawing the noise also holds the projected copy and x
-        self.check_memory(TwoFeaturePatchDataModule.__init__,
-                          {"dim": dim, "num_patches": num_patches, "batch_size": batch_size or 0,
-                           "num_train": num_train, "num_val": num_val, "num_test": num_test}, mode, batch_size,
-                          num_train, num_val, num_test, train_values=num_patches * (dim + 2),
+        self.check_memory({"dim": dim, "num_patches": num_patches}, train_values=num_patches * (dim + 2),
                           eval_values=num_patches * (dim + 2), out_bytes=item, consts=32 * k * dim,
                           gen_bytes=GEN_BYTES + 3 * item)
-        super().__init__(seed=seed, mode=mode, batch_size=batch_size, num_train=num_train,
-                         num_val=num_val, num_test=num_test, steps_per_epoch=steps_per_epoch,
-                         shuffle=shuffle)
         self.dim, self.num_patches, self.num_feature_patches = dim, num_patches, num_feature_patches
         self.alphas, self.noise_std, self.feature_probs = alphas, float(noise_std), feature_probs
         self.co_occur, self.random_basis = bool(co_occur), bool(random_basis)

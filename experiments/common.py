@@ -12,6 +12,8 @@ An experiment is a module ``featlearn.experiments.<name>`` with a ``main(argv)``
     write_results(args.out, "table", rows, markdown, figures={"headline": figure})
 """
 import argparse
+import contextlib
+import io
 import json
 import logging
 import shutil
@@ -19,7 +21,7 @@ import warnings
 from pathlib import Path
 
 import torch
-
+import yaml
 from tqdm.auto import tqdm
 
 from featlearn.cli import FeatlearnCLI, make_cli
@@ -115,6 +117,20 @@ def build(config: str, out: Path, name: str, *overrides: str) -> FeatlearnCLI:
         return make_cli(args, run=False)
 
 
+def resolved_config(config: str) -> dict:
+    """``configs/<config>`` as the CLI composes it (data presets, ``config:`` bases, dotted keys), without
+    building anything: what ``lightning fit --config ... --print_config`` prints."""
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*args parameter is intended.*")
+        try:
+            make_cli(["fit", "--config", str(CONFIGS / config), "--print_config"])
+        except SystemExit as stop:  # --print_config exits once it has printed
+            if stop.code:
+                raise
+    return yaml.safe_load(printed.getvalue())
+
+
 def scalars(metrics: dict) -> dict[str, float]:
     """Scalar entries of a metrics dict (tensors or numbers) as rounded floats."""
     return {k: round(float(v), 4) for k, v in metrics.items()
@@ -172,34 +188,4 @@ def mean_range(values: list, fmt: str = "{:.3f}") -> object:
         return fmt.format(values[0])
     mean = sum(values) / len(values)
     return f"{fmt.format(mean)} ({fmt.format(min(values))}-{fmt.format(max(values))})"
-
-
-# TRANSITIONAL (issue 9): the old option helpers, removed once every experiment uses experiment_parser.
-def add_output_arguments(parser: argparse.ArgumentParser, default: str) -> None:
-    """``--out DIR`` and ``--overwrite``: the options every experiment shares for where results go."""
-    parser.add_argument("--out", type=Path, default=Path(default),
-                        help=f"output folder (default {default}); if it holds a previous run, a new folder "
-                             f"DIR-2, DIR-3, ... is used unless --overwrite is given")
-    parser.add_argument("--overwrite", action="store_true", help="delete a previous run in --out first")
-
-
-def add_seed_argument(parser: argparse.ArgumentParser, default: tuple[int, ...] = (0,)) -> None:
-    """``--seed S [S ...]`` and ``--threads N``: the options every experiment shares; several seeds report
-    mean and range. Seeds must be distinct and non-negative (a repeated seed would rerun into the same
-    folder and count twice); call :func:`apply_shared_options` after parsing."""
-    parser.add_argument("--seed", type=_seed, nargs="+", default=list(default),
-                        help=f"one seed or several, distinct (default {' '.join(map(str, default))}); several give "
-                             f"per-seed results and a table of mean (min-max)")
-    parser.add_argument("--threads", type=_threads, default=1,
-                        help="torch CPU threads (default 1: these sizes run fastest on one thread of a busy 2-core machine)")
-
-
-def apply_shared_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """After parsing the options of :func:`add_seed_argument`: refuse repeated seeds, naming the option, and
-    set the torch thread count from ``--threads``."""
-    repeated = sorted({s for s in args.seed if args.seed.count(s) > 1})
-    if repeated:
-        parser.error(f"--seed: seeds must be distinct, got {repeated} more than once")
-    torch.set_num_threads(args.threads)
-
 

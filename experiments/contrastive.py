@@ -1,11 +1,15 @@
 """Experiment E1 of spec 001: contrastive learning with vs without RandomMask, at equal bias, plus controls.
 
-Every setting is a config ``configs/contrastive/<setting>.yaml``, built through the featlearn CLI
+Every setting is a config ``configs/contrastive/<setting>.yaml`` (``random_mask.yaml`` with what the setting
+changes; the data block is ``data_tiny.yaml``), built through the featlearn CLI
 (:func:`featlearn.experiments.common.build`) with the output location, the seed and the size knobs below
-overridden. After training it prints and saves a table (``results.json`` / ``results.md``): sparse-energy
+overridden. Each run is trained, then tested (``trainer.test``: probes fitted on the val split, scored on the
+test split). The command prints and saves a table (``results.json`` / ``results.md``): sparse-energy
 fraction (final and peak), singleton neurons, features covered by singletons, the bias each run got
-(``b/||w||``, T1), regression / classification probes on f(x) vs raw x (fit on the val split, scored on
-the test split), cos(f(x), f(Mz)), cos(f(x), f(xi)), firing rate, T2 and the normalized final loss.
+(``b/||w||``, T1), regression / classification probes on f(x) vs raw x, cos(f(x), f(Mz)), cos(f(x), f(xi)),
+firing rate, T2 and the normalized final loss; and two PNGs beside it: ``results_features.png`` (coverage and
+singletons / m per setting) and ``results_correlation.png`` (neuron x atom heat map of the first setting's
+first seed). ``--sweep-d`` / ``--combine`` add ``sweep_d_coverage.png`` (coverage per d and setting).
 With several ``--seed`` values every cell is ``mean (min-max)`` over seeds (``n/a`` where a quantity is
 undefined for some seed, e.g. T2 never reached).
 
@@ -53,10 +57,11 @@ from pathlib import Path
 
 import torch
 
-from featlearn.experiments.common import (CONFIGS, add_output_arguments, add_seed_argument, build, apply_shared_options,
-                                         markdown_table, mean_range, output_dir, quiet_lightning, write_results)
+from featlearn.experiments.common import (CONFIGS, build, experiment_parser, markdown_table, mean_range,
+                                         parse_experiment_args, progress, quiet_lightning, write_results)
+from featlearn.metrics.figures import bars_figure, heatmap_figure
 
-SETTINGS = sorted(p.stem for p in (CONFIGS / "contrastive").glob("*.yaml"))
+SETTINGS = sorted(p.stem for p in (CONFIGS / "contrastive").glob("*.yaml") if not p.name.startswith("data_"))
 DEFAULT_SETTINGS = ("random_mask", "no_augmentation", "linear_control", "coordinate_control")
 SWEEP_SETTINGS = ("random_mask", "no_augmentation", "linear_control")
 PRESETS = {"tiny": 32, "small": 64, "medium": 128}
@@ -106,8 +111,11 @@ def size_rule(d: int, d1: int | None = None, width_mult: float = 4.0) -> dict:
             "tau": math.log(d), "steps": int(round(1000 * scale(d) / scale(32)))}
 
 
-def run_setting(name: str, out: Path, size: dict, seed: int = 0) -> dict:
-    """Train ``configs/contrastive/<name>.yaml`` at ``size`` (logs in ``out/<name>_seed<seed>``); its summary."""
+def run_setting(name: str, out: Path, size: dict, seed: int = 0) -> tuple[dict, torch.Tensor]:
+    """Train ``configs/contrastive/<name>.yaml`` at ``size`` (logs in ``out/<name>_seed<seed>``), then test it.
+
+    Returns its summary and its neuron x atom correlations (rows sorted by their atom, as in the heat maps).
+    """
     t0 = time.time()
     d = size["d"]
     lam = d ** LAMBDA_EXPONENT.get(name, -1.75)
@@ -123,6 +131,7 @@ def run_setting(name: str, out: Path, size: dict, seed: int = 0) -> dict:
                 *extra)
     trainer, model, dm = cli.trainer, cli.model, cli.datamodule
     trainer.fit(model, datamodule=dm)
+    trainer.test(model, datamodule=dm, verbose=False)  # probes fitted on the val split, scored on the test split
     summary = model.summary()
     # the final loss on fresh batches, normalized by its value at uniform logits (1 = nothing learned)
     with torch.no_grad():
@@ -135,11 +144,9 @@ def run_setting(name: str, out: Path, size: dict, seed: int = 0) -> dict:
     summary["wall_s"] = time.time() - t0
     summary["raw_nmse_population"] = dm.raw_probe_nmse()
     summary["lambda"] = float(model.lam)
-    if trainer.logger is not None:
-        trainer.logger.log_metrics({f"final/{k}": v for k, v in summary.items() if isinstance(v, float)},
-                                   step=trainer.global_step)
     # NaN marks "never happened" (T1, T2): stored as null so the tables print n/a
-    return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in summary.items()}
+    summary = {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in summary.items()}
+    return summary, model.heatmaps()["correlation"].cpu()
 
 
 def aggregate(per_seed: dict[int, dict]) -> dict[str, object]:
@@ -153,23 +160,42 @@ def label(name: str) -> str:
 
 
 def run_size(names: list[str], size: dict, seeds: list[int], out: Path) -> dict:
-    """All settings x seeds at one size; writes ``results.json`` / ``results.md`` in ``out``."""
+    """All settings x seeds at one size; writes ``results.json`` / ``results.md`` and the figures in ``out``."""
     t0 = time.time()
-    runs = {name: {seed: run_setting(name, out, size, seed) for seed in seeds} for name in names}
+    runs, correlations = {name: {} for name in names}, {}
+    for name, seed in progress([(n, s) for n in names for s in seeds], f"d = {size['d']}"):
+        runs[name][seed], correlations[(name, seed)] = run_setting(name, out, size, seed)
     result = {"size": size, "seeds": seeds, "runs": runs, "total_wall_s": time.time() - t0}
-    write_size_results(out, result)
+    first = (names[0], seeds[0])
+    heatmap = heatmap_figure(correlations[first], xlabel="atom j", ylabel="neuron i (sorted by its atom)", vmax=1.0,
+                             title=f"{label(first[0])}, seed {first[1]}: <w_i, M_j> / ||w_i||")
+    write_size_results(out, result, figures={"correlation": heatmap})
     return result
 
 
-def write_size_results(out: Path, result: dict, stem: str = "results") -> None:
-    """``<stem>.json`` / ``<stem>.md``: the table of one size from a :func:`run_size` result."""
+def write_size_results(out: Path, result: dict, stem: str = "results", figures: dict | None = None) -> None:
+    """``<stem>.json`` / ``<stem>.md`` / ``<stem>_*.png``: the table of one size from a :func:`run_size` result,
+    the bars of coverage and singleton share per setting, and the given ``figures``."""
     runs = {name: {int(s): r for s, r in per_seed.items()} for name, per_seed in result["runs"].items()}
     rows = {label(name): aggregate(per_seed) for name, per_seed in runs.items()}
     size = result["size"]
     notes = size_notes(size, result["seeds"], runs) + f" Total wall time {result['total_wall_s']:.0f} s."
+    bars = _feature_bars({name: per_seed.values() for name, per_seed in runs.items()},
+                         f"d = {size['d']}, {len(result['seeds'])} seed(s): mean, bars min-max")
     write_results(out, stem, {**result, "notes": notes},
                   f"# Contrastive learning: RandomMask vs no augmentation at equal bias (d = {size['d']})\n\n"
-                  f"{markdown_table(rows, [c for c, _, _ in COLUMNS])}\n\n{notes}")
+                  f"{markdown_table(rows, [c for c, _, _ in COLUMNS])}\n\n{notes}",
+                  figures={"features": bars, **(figures or {})})
+
+
+def _feature_bars(groups: dict, title: str):
+    """Coverage and singletons / m per group of runs (mean over the runs, min-max as error bars)."""
+    values = {name: {"coverage": [r["features/coverage"] for r in group],
+                            "singletons / m": [r["features/singletons"] / r["m"] for r in group]}
+              for name, group in ((n, list(g)) for n, g in groups.items())}
+    means = {g: {k: sum(v) / len(v) for k, v in bars.items()} for g, bars in values.items()}
+    ranges = {g: {k: (min(v), max(v)) for k, v in bars.items()} for g, bars in values.items()}
+    return bars_figure(means, ylabel="fraction", title=title, errors=ranges)
 
 
 def size_notes(size: dict, seeds: list[int], runs: dict) -> str:
@@ -224,9 +250,15 @@ def write_sweep(out: Path, results: list[dict], extra_notes: str = "") -> None:
              "what the brackets say from the rule. Seeds: "
              + "; ".join(f"{' '.join(map(str, ss))} ({len(ss)}-seed rows)" for ss in seed_sets)
              + f". Total wall time {sum(r['total_wall_s'] for r in results):.0f} s." + extra_notes)
+    coverage = {}
+    for res in sorted(results, key=lambda r: r["size"]["d"]):
+        for name, per_seed in res["runs"].items():
+            values = [r["features/coverage"] for r in per_seed.values()]
+            coverage.setdefault(name, {})[f"d = {res['size']['d']}{_off_rule(res['size'])}"] = sum(values) / len(values)
+    figure = bars_figure(coverage, ylabel="atoms covered by singletons", title="mean over each row's seeds")
     write_results(out, "sweep_d", {"sizes": results, "notes": notes},
                   f"# Contrastive learning across d: coverage, singletons, sparse-energy fraction\n\n"
-                  f"{sweep_table(results)}\n\n{notes}")
+                  f"{sweep_table(results)}\n\n{notes}", figures={"coverage": figure})
 
 
 def _load(run_dir: Path) -> list[dict]:
@@ -238,10 +270,9 @@ def _load(run_dir: Path) -> list[dict]:
     return [{k: data[k] for k in ("size", "seeds", "runs", "total_wall_s")}]
 
 
-def main(argv=None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    add_output_arguments(parser, "runs/contrastive")
-    add_seed_argument(parser)
+def parse_args(argv=None) -> argparse.Namespace:
+    """The options; every bad value is refused, naming the option, before the output folder is made."""
+    parser = experiment_parser(__doc__.split("\n")[0], "runs/contrastive")
     parser.add_argument("--preset", choices=sorted(PRESETS, key=PRESETS.get), default="tiny",
                         help="size preset: " + ", ".join(f"{k} = d {v}" for k, v in PRESETS.items()))
     parser.add_argument("--d", type=int, help="number of dictionary atoms (overrides --preset)")
@@ -258,8 +289,15 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--settings", help=f"comma-separated subset of {SETTINGS} (configs/contrastive/*.yaml); "
                                            f"default {','.join(DEFAULT_SETTINGS)}, with --sweep-d "
                                            f"{','.join(SWEEP_SETTINGS)}")
-    args = parser.parse_args(argv)
+    _refuse_bad_options(parser, parser.parse_args(argv))
+    args = parse_experiment_args(parser, argv)
+    default = SWEEP_SETTINGS if args.sweep_d else DEFAULT_SETTINGS
+    args.names = [s for s in (args.settings or ",".join(default)).split(",") if s]
+    args.ds = args.sweep_d or [args.d if args.d is not None else PRESETS[args.preset]]
+    return args
 
+
+def _refuse_bad_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.combine:
         given = [opt for opt, v in (("--sweep-d", args.sweep_d), ("--d", args.d), ("--d1", args.d1),
                                     ("--steps", args.steps), ("--settings", args.settings),
@@ -270,16 +308,12 @@ def main(argv=None) -> list[dict]:
                    if not (p / "sweep_d.json").exists() and not (p / "results.json").exists()]
         if missing:
             parser.error(f"--combine: no results.json or sweep_d.json in {missing}")
-        out = output_dir(args.out, args.overwrite)
-        results = [r for p in args.combine for r in _load(p)]
-        write_sweep(out, results, f" Combined from {', '.join(map(str, args.combine))}.")
-        return results
-
-    default = SWEEP_SETTINGS if args.sweep_d else DEFAULT_SETTINGS
-    names = [s for s in (args.settings or ",".join(default)).split(",") if s]
-    unknown = [s for s in names if s not in SETTINGS]
-    if unknown or not names:
-        parser.error(f"--settings: must be among {SETTINGS}, got {unknown or args.settings!r}")
+        return
+    if args.settings is not None:
+        names = [s for s in args.settings.split(",") if s]
+        unknown = [s for s in names if s not in SETTINGS]
+        if unknown or not names:
+            parser.error(f"--settings: must be among {SETTINGS}, got {unknown or args.settings!r}")
     if args.sweep_d and (args.d is not None or args.d1 is not None or args.steps is not None):
         parser.error("--sweep-d: sizes and steps come from the size rule; do not combine with --d, --d1 or --steps")
     ds = args.sweep_d or [args.d if args.d is not None else PRESETS[args.preset]]
@@ -300,20 +334,25 @@ def main(argv=None) -> list[dict]:
         steps = min(args.steps or size_rule(d, args.d1, args.width_mult)["steps"] for d in ds)
         if args.bias_reset_step >= steps:
             parser.error(f"--bias-reset-step: must be below the step budget {steps}, got {args.bias_reset_step}")
-    apply_shared_options(parser, args)
 
+
+def main(argv=None) -> list[dict]:
+    args = parse_args(argv)
+    if args.combine:
+        results = [r for p in args.combine for r in _load(p)]
+        write_sweep(args.out, results, f" Combined from {', '.join(map(str, args.combine))}.")
+        return results
     quiet_lightning()
-    out = output_dir(args.out, args.overwrite)
     results = []
-    for d in ds:
+    for d in args.ds:
         size = size_rule(d, args.d1, args.width_mult)
         if args.steps is not None:
             size.update(steps=args.steps, steps_override=True)
         if args.bias_reset_step is not None:
             size["bias_reset_step"] = args.bias_reset_step
-        results.append(run_size(names, size, args.seed, out / f"d{d}" if args.sweep_d else out))
+        results.append(run_size(args.names, size, args.seed, args.out / f"d{d}" if args.sweep_d else args.out))
     if args.sweep_d:
-        write_sweep(out, results)
+        write_sweep(args.out, results)
     return results
 
 

@@ -23,7 +23,10 @@ pretraining eta = k/2 and supervised eta = 2k, each times the grid's lr scale, a
 eta_1 = k/100, eta_2 = k (spec 3.4; not tuned: it is part of the MRP protocol whose pretraining is). Budgets: pretraining stops 200 steps after every feature is captured (at most
 3000 + 300 k / 10 steps), fine-tuning 300 steps, supervised learning 1500 steps.
 
-Writes ``mrp_table.{md,json}`` (and, with several seeds, per-seed rows in the JSON) beside the logs.
+Writes ``mrp_table.{md,json}`` (and, with several seeds, per-seed rows in the JSON) beside the logs, and the
+headline figures ``mrp_table_capture.png`` (share of features captured against the pretraining step, one curve
+per seed) and ``mrp_table_accuracy.png`` (test accuracy on multi- and single-view samples, MRP + fine-tuning
+against SL, bars at the mean over seeds with their min-max range).
 """
 import argparse
 import math
@@ -32,11 +35,13 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import torch
 import yaml
 
 from featlearn.errors import DivergenceError
-from featlearn.experiments.common import (CONFIGS, add_output_arguments, add_seed_argument, build, apply_shared_options,
-                                         markdown_table, mean_range, output_dir, quiet_lightning, scalars, write_results)
+from featlearn.experiments.common import (CONFIGS, build, experiment_parser, markdown_table, mean_range,
+                                         parse_experiment_args, progress, quiet_lightning, scalars, write_results)
+from featlearn.metrics.figures import bars_figure, curves_figure
 
 SETTINGS = yaml.safe_load((CONFIGS / "mrp" / "experiment.yaml").read_text())
 DATA = yaml.safe_load((CONFIGS / "mrp" / "data_tiny.yaml").read_text())["init_args"]  # fixed data constants (s, C_p)
@@ -88,12 +93,13 @@ def _data_overrides(size: Size, mu: float, seed: int) -> list[str]:
         eval_mu=SETTINGS["eval_mu"], num_val=SETTINGS["num_val"], num_test=SETTINGS["num_test"], seed=seed)]
 
 
-def _encoder_row(metrics: dict, prefix: str) -> dict:
+def _encoder_row(metrics: dict) -> dict:
+    """The capture columns, from a trained module's final theory metrics."""
     return {
-        "features captured": metrics[f"{prefix}/frac_captured"],
-        "classes with both features": metrics[f"{prefix}/classes_both"],
+        "features captured": metrics["frac_captured"],
+        "classes with both features": metrics["classes_both"],
         "pure / same-class / cross-class kernels": " / ".join(
-            str(int(metrics[f"{prefix}/kernels/{kind}"])) for kind in ("pure", "sameclass", "crossclass")),
+            str(int(metrics[f"kernels/{kind}"])) for kind in ("pure", "sameclass", "crossclass")),
     }
 
 
@@ -125,16 +131,16 @@ def mrp(out: Path, size: Size, mu: float, seed: int, q: int, sigma0: float, lr_s
         "--trainer.max_steps", str(3000 + 30 * size.k)])
     if pre is None:
         return {"pretrain": {"diverged": True}, "finetune": {"diverged": True}}
-    metrics = scalars(pre.trainer.callback_metrics)
-    pretrain = {**_encoder_row(metrics, "pretrain"), "steps": pre.trainer.global_step,
-                "all captured by step": int(metrics["pretrain/first_capture/max"])
-                if metrics["pretrain/frac_captured"] == 1 else None}
+    metrics = scalars(pre.model.final_metrics())
+    pretrain = {**_encoder_row(metrics), "steps": pre.trainer.global_step,
+                "all captured by step": int(metrics["first_capture/max"]) if metrics["frac_captured"] == 1 else None,
+                "first capture steps": pre.model.first_capture_step.tolist()}
     ckpt = Path(pre.trainer.checkpoint_callback.last_model_path).resolve()  # the final state of pretraining
     ft = _fit("mrp/finetune.yaml", out, f"finetune_{tag}", [
         *data, *_overrides("model", q=q, m=size.m, pretrained=ckpt, lr=lrs["finetune"], lr_head=lrs["head"])])
     if ft is None:
         return {"pretrain": pretrain, "finetune": {"diverged": True}}
-    finetune = {**_encoder_row(scalars(ft.trainer.callback_metrics), "encoder"), **_evaluate(ft),
+    finetune = {**_encoder_row(scalars(ft.model.final_metrics())), **_evaluate(ft),
                 "steps": ft.trainer.global_step, "seconds": round(time.time() - start, 1)}
     return {"pretrain": pretrain, "finetune": finetune}
 
@@ -147,7 +153,7 @@ def supervised(out: Path, size: Size, mu: float, seed: int, q: int, sigma0: floa
         *_overrides("model", q=q, sigma0=sigma0, m=size.m, lr=step_sizes(size, lr_scale)["supervised"])])
     if sl is None:
         return {"diverged": True}
-    return {**_encoder_row(scalars(sl.trainer.callback_metrics), "encoder"), **_evaluate(sl),
+    return {**_encoder_row(scalars(sl.model.final_metrics())), **_evaluate(sl),
             "steps": sl.trainer.global_step, "seconds": round(time.time() - start, 1)}
 
 
@@ -249,10 +255,10 @@ def table(groups: dict[str, dict[str, dict]]) -> str:
 
 
 def parse_args(argv=None) -> tuple[argparse.Namespace, list[Size]]:
-    """Options and the sizes they name; every bad value is refused here, naming the option, before any run."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_output_arguments(parser, "runs/mrp")
-    add_seed_argument(parser)
+    """Options and the sizes they name; every bad value is refused here, naming the option, before any run
+    and before the output folder is made."""
+    parser = experiment_parser(__doc__, "runs/mrp")
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("--preset", nargs="+", choices=sorted(SETTINGS["presets"]), default=None,
                         help="named sizes from configs/mrp/experiment.yaml (default tiny)")
     for knob in KNOBS:
@@ -261,7 +267,6 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, list[Size]]:
                         help="share of single-view samples in pretraining and downstream training (default 0.02)")
     parser.add_argument("--grid", action="store_true", help="also run each method over the grid and report its best")
     args = parser.parse_args(argv)
-    apply_shared_options(parser, args)
     for option, values in (("--preset", args.preset or []), ("--mu", [f"{mu:g}" for mu in args.mu])):
         if len(set(values)) != len(values):
             parser.error(f"{option}: values must be distinct, got {values}")
@@ -278,7 +283,7 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, list[Size]]:
                                         ("--N2", size.N2, size.k, f" (N2 >= k = {size.k}, Assumption 2)")):
             if value < low:
                 parser.error(f"{option}: must be at least {low:g}{why}, got {value}")
-    return args, sizes
+    return parse_experiment_args(parser, argv), sizes
 
 
 def sizes_of(args) -> list[Size]:
@@ -286,6 +291,34 @@ def sizes_of(args) -> list[Size]:
     if args.k is not None:
         return [size_rule(args.k, **knobs)]
     return [size_rule(**{**SETTINGS["presets"][p], **knobs}) for p in (args.preset or ["tiny"])]
+
+
+def figures(results: list[dict]) -> dict:
+    """The headline PNGs: pretraining capture against the step (one curve per seed) and test accuracy per
+    view, MRP + fine-tuning against SL (mean over seeds, min-max range as error bars)."""
+    curves, bars, ranges = {}, {}, {}
+    for r in results:
+        group = f"k={r['size']['k']}, mu={r['mu']:g}"
+        pretrained = [rows["MRP pretraining"] for rows in r["per_seed"].values()
+                      if not rows["MRP pretraining"].get("diverged")]
+        if pretrained:
+            steps = torch.arange(max(row["steps"] for row in pretrained) + 1)[:, None]
+            first = [torch.tensor(row["first capture steps"])[None] for row in pretrained]
+            curves[group] = [((f >= 0) & (f <= steps)).double().mean(1) for f in first]
+        for method in ("MRP + fine-tuning", "SL from scratch"):
+            name = f"{group}: {method}" if len(results) > 1 else method
+            bars[name], ranges[name] = {}, {}
+            for view in ("multi-view", "single-view"):
+                values = [rows[method][f"test acc {view}"] for rows in r["per_seed"].values()
+                          if f"test acc {view}" in rows[method]]
+                if values:
+                    bars[name][view] = sum(values) / len(values)
+                    ranges[name][view] = (min(values), max(values))
+    return {"capture": curves_figure({g: range(len(c[0])) for g, c in curves.items()}, curves,
+                                     xlabel="pretraining step", ylabel="share of features captured",
+                                     title="MRP pretraining: features captured (one curve per seed)"),
+            "accuracy": bars_figure(bars, ylabel="test accuracy", errors=ranges,
+                                    title="Test accuracy by view")}
 
 
 def report(out: Path, results: list[dict], command: str) -> dict[str, dict]:
@@ -303,20 +336,23 @@ def report(out: Path, results: list[dict], command: str) -> dict[str, dict]:
                f"{SETTINGS['eval_mu']}. Kernels: capturing kernels holding one feature / both features of one class / "
                "features of several classes (one entry per seed).")
     write_results(out, "mrp_table", {"command": command, "settings": SETTINGS, "groups": results},
-                  f"{table(groups)}\n\nSingle-view test accuracy, MRP + fine-tuning minus SL, per seed:\n{gaps}\n\n{notes}")
+                  f"{table(groups)}\n\nSingle-view test accuracy, MRP + fine-tuning minus SL, per seed:\n{gaps}\n\n{notes}",
+                  figures(results))
     return groups
 
 
 def main(argv=None) -> dict:
     args, sizes = parse_args(argv)
     quiet_lightning()
-    out = output_dir(args.out, args.overwrite)
+    jobs = [(size, mu, seed) for size in sizes for mu in args.mu for seed in args.seed]
+    per_seed = {}
+    for size, mu, seed in progress(jobs, "size x mu x seed"):
+        per_seed[size, mu, seed] = run(args.out / f"k{size.k}_mu{mu:g}" / f"seed{seed}", size, mu, seed, args.grid)
     results = [{"size": asdict(size), "mu": mu, "seeds": args.seed,
-                "per_seed": {seed: run(out / f"k{size.k}_mu{mu:g}" / f"seed{seed}", size, mu, seed, args.grid)
-                             for seed in args.seed}}
+                "per_seed": {seed: per_seed[size, mu, seed] for seed in args.seed}}
                for size in sizes for mu in args.mu]
     command = "python -m featlearn.experiments.mrp " + " ".join(sys.argv[1:] if argv is None else argv)
-    return report(out, results, command)
+    return report(args.out, results, command)
 
 
 if __name__ == "__main__":

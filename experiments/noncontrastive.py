@@ -45,7 +45,7 @@ import time
 import torch
 import yaml
 
-from featlearn.experiments.common import (CONFIGS, build, experiment_parser, mean_range, parse_experiment_args,
+from featlearn.experiments.common import (CONFIGS, build, resolved_config, experiment_parser, mean_range, parse_experiment_args,
                                           progress, quiet_lightning, write_results)
 from featlearn.metrics.figures import bars_figure, curves_figure
 from featlearn.theory.noncontrastive import (PhaseTracker, feature_outcome, representation_correlation,
@@ -69,11 +69,8 @@ def step_rule(dim: int, lr: float = SETTINGS["lr"]) -> int:
 
 
 def _data_args(config: str) -> dict:
-    """The data arguments a variant's config gives (its ``data:`` may name a preset file beside it)."""
-    data = yaml.safe_load((CONFIGS / "noncontrastive" / config).read_text())["data"]
-    if isinstance(data, str):
-        data = yaml.safe_load((CONFIGS / "noncontrastive" / data).read_text())
-    return data["init_args"]
+    """The data arguments a variant's config gives, as the CLI composes them."""
+    return resolved_config(f"noncontrastive/{config}")["data"]["init_args"]
 
 
 def variants(size: dict, args, out) -> dict:

@@ -121,11 +121,6 @@ class FeatlearnCLI(LightningCLI):
         comes before any work; ``attach`` builds once, so ``setup`` then finds the model built."""
         if self.subcommand is None or self.datamodule is None:
             return
-        paired = self.model.datamodule_class
-        if not isinstance(self.datamodule, paired):
-            raise ConfigError("data.class_path", f"{paired.__module__}.{paired.__name__} (the DataModule "
-                                                 f"{type(self.model).__name__} pairs with)",
-                              f"{type(self.datamodule).__module__}.{type(self.datamodule).__name__}")
         self.datamodule.check_devices(self.trainer.world_size)
         self.model.attach(self.datamodule)
         if self._ckpt is not None:

@@ -224,14 +224,24 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _grown_most(func, sizes: dict) -> str:
-    """The entry of ``sizes`` that grew most over its default in ``func``'s signature: the likely culprit."""
+def _defaults(func) -> dict:
+    """Argument defaults of a function, or of a class's ``__init__`` along its class chain (arguments a
+    subclass forwards with ``**kwargs`` keep the default of the class that declares them)."""
     import inspect
 
-    params = inspect.signature(func).parameters
+    out = {}
+    for f in [c.__init__ for c in reversed(func.__mro__)] if isinstance(func, type) else [func]:
+        out.update({n: p.default for n, p in inspect.signature(f).parameters.items()
+                    if p.default is not inspect.Parameter.empty})
+    return out
+
+
+def _grown_most(func, sizes: dict) -> str:
+    """The entry of ``sizes`` that grew most over its default in ``func``'s signature: the likely culprit."""
+    defaults = _defaults(func)
 
     def growth(name):
-        default = params[name].default if name in params else None
+        default = defaults.get(name)
         base = default if isinstance(default, (int, float)) and not isinstance(default, bool) and default > 0 else 1
         return (sizes[name] or 0) / base
 
@@ -244,7 +254,8 @@ def check_memory(prefix: str, func, sizes: dict, needed: float, what: str, devic
 
     ``needed`` is the estimate in bytes of everything alive at once (``what`` says what it is made of);
     ``sizes`` maps the fields it depends on to their values. The refusal names ``prefix.field`` for the
-    field that grew most over its default in ``func``'s signature, the estimate and the limit.
+    field that grew most over its default in ``func``'s signature (a function, or a class whose
+    ``__init__`` chain declares the fields), the estimate and the limit.
     """
     device = default_device() if device is None else device
     limit, source = available_memory(device)

@@ -32,6 +32,7 @@ from lightning.fabric.utilities.data import AttributeDict
 from lightning.pytorch.utilities import rank_zero_info
 
 from featlearn.datamodules.base import SyntheticDataModule
+from featlearn.errors import ConfigError
 from featlearn.metrics.figures import tensorboard_writer
 
 # Optimizer-state entries that are learned state rather than configuration; everything else in a param
@@ -52,24 +53,18 @@ class FeatureLearningModule(L.LightningModule):
 
     def __init__(self):
         super().__init__()
-        self._dm = None
         self.built = False
-
-    @property
-    def dm(self):
-        """The synthetic DataModule this module learns from."""
-        if self._dm is None and self._trainer is not None:
-            self._dm = self.trainer.datamodule
-        if self._dm is None:
-            raise RuntimeError("no DataModule attached: call module.attach(dm) or fit with a datamodule")
-        return self._dm
 
     def build(self, dm) -> None:
         raise NotImplementedError
 
     def attach(self, dm) -> "FeatureLearningModule":
-        """Build parameters for ``dm`` (once) and remember it. Returns self."""
-        self._dm = dm
+        """Build parameters from ``dm`` (once; the DataModule is not kept). Returns self."""
+        paired = self.datamodule_class
+        if not isinstance(dm, paired):
+            raise ConfigError("data.class_path", f"{paired.__module__}.{paired.__name__} (the DataModule "
+                                                 f"{type(self).__name__} pairs with)",
+                              f"{type(dm).__module__}.{type(dm).__name__}")
         if not self.built:
             self.build(dm)
             self.built = True
@@ -115,7 +110,8 @@ class FeatureLearningModule(L.LightningModule):
         """Whether this training step computes and logs the theory metrics: every
         ``trainer.log_every_n_steps`` steps (Lightning's own logging interval), always without a trainer."""
         trainer = self._trainer
-        return trainer is None or self.global_step % max(1, trainer.log_every_n_steps) == 0
+        # Lightning writes step metrics when the step being finished, global_step + 1, is a multiple of N
+        return trainer is None or (self.global_step + 1) % max(1, trainer.log_every_n_steps) == 0
 
     def final_metrics(self) -> dict[str, float]:
         """The run's results (e.g. captured fraction, final loss), logged at the end of training as

@@ -5,7 +5,7 @@ probability ``theta``), decodes ``h_r / theta`` and regresses the teacher's pool
 ``h^_r(X)`` computed with ``w^_r = tau w_r`` (stop-gradient copy, not an EMA),
 ``tau = 1 + (1 - theta) / (C_p theta) + c_tau / (t^(1/q) + 1)``. ``loss="expected"`` uses the closed
 form over masks ``1/2 sum_r (H^_r - H_r)^2 + 1/2 (1/theta - 1) sum_{r,p} f(<w_r, x_p>)^2``;
-``loss="mc"`` samples one mask per sample and step.
+``loss="mc"`` trains on one keep-mask per sample and step, drawn by the DataModule (``batch["mask"]``).
 
 Stabilisation (spec 8, F1/F2): with ``tau > 1`` the literal dynamics are not the gradient of a bounded
 function and blow up once a kernel is active on two co-occurring features. ``norm_cap`` (default 1)
@@ -25,10 +25,9 @@ from typing import Literal
 
 import torch
 
-from featlearn.datamodules import rng
-from featlearn.lightning_modules.multiview_encoder import Backend, MultiViewEncoder
-from featlearn.validation import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, check_args, int_at_least, \
-    number_type
+from featlearn.lightning_modules.multiview_encoder import MultiViewEncoder
+from featlearn.theory.mrp import teacher_scale
+from featlearn.validation import NonNegativeFloat, NonNegativeInt, PositiveFloat, check_args, int_at_least, number_type
 
 KeepProbability = number_type("KeepProbability", float, 0, 1, True, True, "a keep probability in (0, 1)")
 
@@ -45,17 +44,29 @@ def teacher_student_masked_loss(masked_student: torch.Tensor, teacher: torch.Ten
 
 
 class _MaskedPretraining(MultiViewEncoder):
-    """Keep probability, mask sampling, norm cap and stop rule shared by both pretraining variants."""
+    """Keep probability, sampled masks, norm cap and stop rule shared by both pretraining variants.
 
-    def __init__(self, theta: float, loss: str, norm_cap: float | None, stop_after_capture: int | None,
-                 mask_seed: int, **encoder):
-        super().__init__(**encoder)
+    Args:
+        theta: keep probability of a patch (mask ratio ``1 - theta``), in (0, 1).
+        loss: ``expected`` (closed form over masks, the theory's objective) or ``mc`` (sampled masks).
+        norm_cap: projected-GD radius per kernel (``null``: no projection).
+        stop_after_capture: stop this many steps after all features are captured (``null``: never).
+        mask_seed: seed of the sampled masks (``loss=mc``).
+        lr: gradient-descent step size. ``**encoder``: see :class:`MultiViewEncoder`.
+    """
+
+    def __init__(self, theta: KeepProbability = 0.5, loss: Literal["expected", "mc"] = "expected",
+                 norm_cap: PositiveFloat | None = None, stop_after_capture: NonNegativeInt | None = 200,
+                 mask_seed: int = 0, lr: PositiveFloat = 5.0, **encoder):
+        check_args("model", _MaskedPretraining.__init__, locals())
+        super().__init__(lr=lr, **encoder)
         self.theta, self.loss_kind, self.norm_cap = theta, loss, norm_cap
         self.stop_after_capture, self.mask_seed = stop_after_capture, mask_seed
 
-    def sample_mask(self, index: torch.Tensor, P: int) -> torch.Tensor:
-        """Keep-mask ``[B, P]``, a function of (mask_seed, step, sample index)."""
-        return rng.bernoulli(self.mask_seed, 100_000 + self.global_step, index, (P,), self.theta).float()
+    def build(self, dm) -> None:
+        super().build(dm)
+        if self.loss_kind == "mc":
+            dm.use_masks(self.theta, self.mask_seed)
 
     def training_step(self, batch, batch_idx):
         loss = self.loss(batch)
@@ -66,10 +77,13 @@ class _MaskedPretraining(MultiViewEncoder):
         if self.norm_cap is not None:
             norms = self.weight.norm(dim=1, keepdim=True)
             self.weight.mul_((self.norm_cap / norms).clamp(max=1.0))
-        self.log_capture("pretrain", step)
-        if self.stop_after_capture is not None and bool((self.first_capture_step >= 0).all()):
-            # derived from the checkpointed buffer, so a resumed run stops at the same step
-            if step - int(self.first_capture_step.max()) >= self.stop_after_capture:
+        self.record_capture(step)
+        self.log_theory("pretrain")
+        if self.stop_after_capture is not None:
+            # One host read per step, as the stop must come at the exact step; derived from the checkpointed
+            # buffer, so a resumed run stops at the same step.
+            first = self.first_capture_step
+            if bool((first >= 0).all() & (step - first.max() >= self.stop_after_capture)):
                 self.trainer.should_stop = True
 
     def configure_optimizers(self):
@@ -80,30 +94,26 @@ class TeacherStudentMRP(_MaskedPretraining):
     """Teacher-student mask-reconstruction pretraining (the paper's main framework).
 
     Args:
-        theta: keep probability of a patch (mask ratio ``1 - theta``), in (0, 1).
-        loss: ``expected`` (closed form over masks, the theory's objective) or ``mc`` (sampled masks).
         c_tau: constant of the decaying part of ``tau`` (0: constant ``tau``, spec A5).
+        q: smoothed-ReLU power, >= 3 (Assumption C.2).
         norm_cap: projected-GD radius per kernel (``null``: literal, unstable dynamics).
-        stop_after_capture: stop this many steps after all features are captured (``null``: never).
-        mask_seed: seed of the sampled masks (``loss=mc``).
-        m, q, rho, sigma0, lr, capture_threshold, backend: see :class:`MultiViewEncoder`.
+        ``**pretraining``: theta, loss, stop_after_capture, mask_seed, lr (see ``_MaskedPretraining``) and
+        m, rho, sigma0, capture_threshold, backend (see :class:`MultiViewEncoder`).
     """
 
-    def __init__(self, theta: KeepProbability = 0.5, loss: Literal["expected", "mc"] = "expected",
-                 c_tau: NonNegativeFloat = 0.0, norm_cap: PositiveFloat | None = 1.0,
-                 stop_after_capture: NonNegativeInt | None = 200, mask_seed: int = 0, m: PositiveInt = 3,
-                 q: int_at_least(3) = 3, rho: PositiveFloat = 0.25, sigma0: PositiveFloat = 0.02,
-                 lr: PositiveFloat = 5.0, capture_threshold: PositiveFloat | None = None, backend: Backend = "auto"):
-        check_args("model", TeacherStudentMRP.__init__, locals())  # q >= 3: Assumption C.2
-        super().__init__(theta, loss, norm_cap, stop_after_capture, mask_seed, m=m, q=q, rho=rho,
-                         sigma0=sigma0, lr=lr, capture_threshold=capture_threshold, backend=backend)
+    def __init__(self, c_tau: NonNegativeFloat = 0.0, q: int_at_least(3) = 3, norm_cap: PositiveFloat | None = 1.0,
+                 **pretraining):
+        check_args("model", TeacherStudentMRP.__init__, locals())
+        super().__init__(q=q, norm_cap=norm_cap, **pretraining)
         self.c_tau = c_tau
-        self.save_hyperparameters()
+
+    def build(self, dm) -> None:
+        super().build(dm)
+        self.C_p = dm.C_p
 
     def tau(self) -> float:
-        """Teacher scale at the current step (needs the DataModule's ``C_p``)."""
-        t = self.global_step
-        return 1 + (1 - self.theta) / (self.dm.C_p * self.theta) + self.c_tau / (t ** (1 / self.q) + 1)
+        """Teacher scale at the current step."""
+        return teacher_scale(self.theta, self.C_p, self.c_tau, self.global_step, self.q)
 
     def training_step(self, batch, batch_idx):
         self.log("pretrain/tau", self.tau())
@@ -114,7 +124,7 @@ class TeacherStudentMRP(_MaskedPretraining):
         if self.loss_kind == "expected":
             sums = self.encode(x, teacher_scale=tau, squares=True)
             return teacher_student_expected_loss(sums.student, sums.teacher, sums.squares, self.theta)
-        sums = self.encode(x, teacher_scale=tau, mask=self.sample_mask(batch["index"], x.shape[1]))
+        sums = self.encode(x, teacher_scale=tau, mask=batch["mask"])
         return teacher_student_masked_loss(sums.student, sums.teacher, self.theta)
 
 
@@ -131,24 +141,18 @@ def mae_masked_loss(x: torch.Tensor, w: torch.Tensor, act, theta: float, mask: t
 
 
 class MaskedAutoencoderMRP(_MaskedPretraining):
-    """Tied-weight MAE variant (spec 2.4, 3.2): reconstruct every patch's pixels; needs ``q >= 4``.
+    """Tied-weight MAE variant (spec 2.4, 3.2): reconstruct every patch's pixels.
 
     Kernels compete through the shared residual, so no norm cap is needed by default.
-    Args as :class:`TeacherStudentMRP` (no teacher).
+    Args as :class:`TeacherStudentMRP` (no teacher), with ``q >= 4`` (Assumption H.1).
     """
 
-    def __init__(self, theta: KeepProbability = 0.5, loss: Literal["expected", "mc"] = "expected",
-                 norm_cap: PositiveFloat | None = None, stop_after_capture: NonNegativeInt | None = 200,
-                 mask_seed: int = 0, m: PositiveInt = 3, q: int_at_least(4) = 4, rho: PositiveFloat = 0.25,
-                 sigma0: PositiveFloat = 0.02, lr: PositiveFloat = 5.0, capture_threshold: PositiveFloat | None = None,
-                 backend: Backend = "auto"):
-        check_args("model", MaskedAutoencoderMRP.__init__, locals())  # q >= 4: Assumption H.1
-        super().__init__(theta, loss, norm_cap, stop_after_capture, mask_seed, m=m, q=q, rho=rho,
-                         sigma0=sigma0, lr=lr, capture_threshold=capture_threshold, backend=backend)
-        self.save_hyperparameters()
+    def __init__(self, q: int_at_least(4) = 4, **pretraining):
+        check_args("model", MaskedAutoencoderMRP.__init__, locals())
+        super().__init__(q=q, **pretraining)
 
     def loss(self, batch) -> torch.Tensor:
         x = batch["x"]
         if self.loss_kind == "expected":
             return mae_expected_loss(x, self.weight, self.activation, self.theta)
-        return mae_masked_loss(x, self.weight, self.activation, self.theta, self.sample_mask(batch["index"], x.shape[1]))
+        return mae_masked_loss(x, self.weight, self.activation, self.theta, batch["mask"])

@@ -15,8 +15,8 @@ Validation/test accuracy is logged separately on multi-view and single-view samp
 
 Example:
     >>> from featlearn.datamodules.multiview import MultiViewDataModule
-    >>> dm = MultiViewDataModule(k=4, d=16, P=10, s=1, train_set="downstream", num_downstream=16)
-    >>> model = MultiViewClassifier(m=2, head="fixed").attach(dm)
+    >>> dm = MultiViewDataModule(k=4, d=16, P=10, s=1, num_downstream=16)
+    >>> model = MultiViewClassifier(m=2, head="fixed").attach(dm)   # trains on the downstream set
     >>> model(dm.full("train")["x"]).shape
     torch.Size([16, 4])
 """
@@ -28,8 +28,9 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from featlearn.checkpoints import read_checkpoint
 from featlearn.errors import ConfigError
-from featlearn.lightning_modules.multiview_encoder import Backend, MultiViewEncoder
-from featlearn.validation import PositiveFloat, PositiveInt, check_args, int_at_least
+from featlearn.lightning_modules.multiview_encoder import MultiViewEncoder
+from featlearn.metrics.figures import tensorboard_writer
+from featlearn.validation import PositiveFloat, check_args
 
 VIEWS = ("all", "multi", "single")
 
@@ -56,19 +57,17 @@ class MultiViewClassifier(MultiViewEncoder):
         head: ``linear`` (trainable ``U``, starts at 0) or ``fixed`` (per-class blocks, A-Z&L).
         lr_head: head step size ``eta_2`` (linear head only). lr: encoder step size ``eta_1``.
         freeze_encoder: train the head only (linear probe).
-        m, q, rho, sigma0, capture_threshold, backend: see :class:`MultiViewEncoder`.
+        ``**encoder``: m, q, rho, sigma0, capture_threshold, backend (see :class:`MultiViewEncoder`).
     """
 
+    train_set = "downstream"
     # supervised learning at lr 100 grows the weight norm up to 15x over 20 steps early on
     blowup_factors = {"loss": None, "weight_norm": 1000.0}
 
     def __init__(self, pretrained: str | None = None, head: Literal["linear", "fixed"] = "linear",
-                 lr_head: PositiveFloat = 10.0, freeze_encoder: bool = False, m: PositiveInt = 3,
-                 q: int_at_least(2) = 3, rho: PositiveFloat = 0.25, sigma0: PositiveFloat = 0.02,
-                 lr: PositiveFloat = 0.1, capture_threshold: PositiveFloat | None = None, backend: Backend = "auto"):
+                 lr_head: PositiveFloat = 10.0, freeze_encoder: bool = False, lr: PositiveFloat = 0.1, **encoder):
         check_args("model", MultiViewClassifier.__init__, locals())
-        super().__init__(m=m, q=q, rho=rho, sigma0=sigma0, lr=lr, capture_threshold=capture_threshold,
-                         backend=backend)
+        super().__init__(lr=lr, **encoder)
         if head == "fixed" and pretrained is not None:
             raise ConfigError("model.head", "'linear' when fine-tuning from a checkpoint", head)
         self._pretrained_state = None
@@ -82,7 +81,6 @@ class MultiViewClassifier(MultiViewEncoder):
             self._pretrained_state = {k: state[k] for k in ("weight", "initial_weight")}
         self.pretrained, self.head_kind, self.lr_head = pretrained, head, lr_head
         self.freeze_encoder = freeze_encoder
-        self.save_hyperparameters()
         self.metrics = torch.nn.ModuleDict()
 
     def build(self, dm) -> None:
@@ -115,20 +113,21 @@ class MultiViewClassifier(MultiViewEncoder):
         return loss
 
     def finish_step(self, step: int) -> None:
-        self.log_capture("encoder", step)
+        self.record_capture(step)
+        self.log_theory("encoder")
 
     def _evaluate(self, batch, stage: str) -> None:
         logits, y, single = self(batch["x"]), batch["y"], batch["single_view"]
         pred, margin = logits.argmax(1), classification_margin(logits, y)
-        experiment = getattr(self.logger, "experiment", None)
+        writer = tensorboard_writer(self._trainer) if stage == "test" else None
         for view, keep in (("all", torch.ones_like(single)), ("multi", ~single), ("single", single)):
             if keep.any():
                 metric = self.metrics[f"{stage}_{view}"]
                 metric.update(pred[keep], y[keep])
                 self.log(f"{stage}/acc/{view}", metric, on_epoch=True, prog_bar=view == "single")
                 self.log(f"{stage}/margin_mean/{view}", margin[keep].mean(), on_epoch=True)
-                if stage == "test" and hasattr(experiment, "add_histogram"):
-                    experiment.add_histogram(f"test/margin/{view}", margin[keep], self.global_step)
+                if writer is not None:
+                    writer.add_histogram(f"test/margin/{view}", margin[keep], self.global_step)
 
     def validation_step(self, batch, batch_idx) -> None:
         self._evaluate(batch, "val")

@@ -35,6 +35,7 @@ from featlearn.kernels.activations import Activation
 from featlearn.kernels.bn_cosine_loss import bn_column_stats, bn_cosine_loss
 from featlearn.kernels.patch_activation_sum import patch_activation_sum
 from featlearn.lightning_modules.base import FeatureLearningModule
+from featlearn.metrics import to_host
 from featlearn.theory.noncontrastive import (OUTCOME_CODES, PhaseTracker, feature_outcome, population_loss,
                                              representation_correlation, split_weights, substitution_ratio)
 from featlearn.validation import (NonNegativeFloat, PositiveFloat, PositiveInt, RightOpenUnitInterval, check_args,
@@ -65,13 +66,6 @@ def noncontrastive_loss(f_online: torch.Tensor, g_target: torch.Tensor, head: to
         True
     """
     return bn_cosine_loss(f_online @ head.T, g_target, out_norm=out_norm, eps=eps, backend=backend)
-
-
-def _to_host(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The tensors on the CPU in float64 through one device-to-host copy (one sync, not one per value)."""
-    flat = torch.cat([t.reshape(-1).to(torch.float64) for t in tensors.values()]).cpu()
-    parts = flat.split([t.numel() for t in tensors.values()])
-    return {k: p.view(t.shape) for (k, t), p in zip(tensors.items(), parts)}
 
 
 class NonContrastiveModule(FeatureLearningModule):
@@ -218,7 +212,7 @@ class NonContrastiveModule(FeatureLearningModule):
             dev["loss"] = loss.detach()
         if rho is not None:
             dev["rho"] = rho[:8]
-        h = _to_host(dev)
+        h = to_host(dev)
         out: dict[str, float] = {}
         for j in range(m if m <= 8 else 0):
             out.update({f"feat/{key}_{j}_{ell}": float(h[key][j, ell]) for key in ("cos", "B") for ell in range(k)})

@@ -14,3 +14,21 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(old)
+
+
+@pytest.fixture
+def refused_before_work(monkeypatch):
+    """``check(function, call)``: ``call()`` must raise ``KernelInputError`` before ``function`` (an op's
+    ``autograd.Function``) runs; returns the error."""
+    from featlearn.kernels import KernelInputError
+
+    def check(function, call):
+        def trap(*args):
+            raise AssertionError(f"{function.__name__} ran on refused inputs")
+
+        monkeypatch.setattr(function, "apply", trap)
+        with pytest.raises(KernelInputError) as info:
+            call()
+        return info.value
+
+    return check

@@ -21,8 +21,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 MRP_PRE = ["mrp/teacher_student", "mrp/teacher_student_mc", "mrp/mae", "mrp/teacher_student_medium"]
 MRP_CLS = ["mrp/finetune", "mrp/supervised"]
-CON = ["contrastive/" + p.stem for p in sorted((ROOT / "configs/contrastive").glob("*.yaml"))]
-NON = ["noncontrastive/" + p.stem for p in sorted((ROOT / "configs/noncontrastive").glob("*.yaml"))]
+CON = ["contrastive/" + p.stem for p in sorted((ROOT / "configs/contrastive").glob("*.yaml"))
+       if not p.name.startswith("data_")]  # runnable configs, not the data preset they include
+NON = ["noncontrastive/" + p.stem for p in sorted((ROOT / "configs/noncontrastive").glob("*.yaml"))
+       if "\nmodel:" in p.read_text()]  # runnable configs, not the data presets or the experiment's settings
 TINY_MRP = ["mrp/teacher_student", "mrp/teacher_student_mc", "mrp/mae", "mrp/finetune", "mrp/supervised"]
 ONE = ["mrp/teacher_student", "contrastive/random_mask", "noncontrastive/with_head"]
 M, D = "--model.init_args.", "--data.init_args."
@@ -111,13 +113,14 @@ CASES += spread(MRP_CLS, [
     ([M + "q", "1"], "model.q"), ([M + "lr", "0"], "model.lr"), ([M + "sigma0", "-0.1"], "model.sigma0"),
     ([M + "head", "mlp"], "model.head"), ([M + "capture_threshold", "0"], "model.capture_threshold"),
     ([M + "pretrained", "{ckpt:missing}", M + "head", "fixed"], "model.head"),
+    ([D + "batch_size", "600"], "data.batch_size"),       # more than the downstream set these modules train on
 ])
 CASES += spread(TINY_MRP, [
     ([D + "k", "1"], "data.k"), ([D + "d", "12"], "data.d"), ([D + "P", "6"], "data.P"), ([D + "C_p", "0"], "data.C_p"),
     ([D + "s", "-1"], "data.s"), ([D + "s", "20"], "data.s"), ([D + "mu", "1.5"], "data.mu"), ([D + "rho", "0"], "data.rho"),
     ([D + "sigma_p", "-1"], "data.sigma_p"), ([D + "gamma", "-1"], "data.gamma"),
     ([D + "close_prob", "2"], "data.close_prob"), ([D + "basis", "sphere"], "data.basis"),
-    ([D + "train_set", "x"], "data.train_set"), ([D + "batch_size", "0"], "data.batch_size"),
+    ([D + "batch_size", "0"], "data.batch_size"),
     ([D + "num_val", "0"], "data.num_val"), ([D + "num_test", "-1"], "data.num_test"),
     ([D + "steps_per_epoch", "0"], "data.steps_per_epoch"), ([D + "mode", "stream"], "data.mode"),
     ([D + "mode", "online"], "data.batch_size"), ([D + "P", "100000000"], "data.P"),
@@ -129,7 +132,6 @@ CASES += spread(CON, [
     ([M + "bias_reset_mult", "-1"], "model.bias_reset_mult"), ([M + "bias_cap_ratio", "0"], "model.bias_cap_ratio"),
     ([M + "bias_min_rate_mult", "-1"], "model.bias_min_rate_mult"),
     ([M + "loss_chunk_size", "0"], "model.loss_chunk_size"), ([M + "backend", "cuda"], "model.backend"),
-    ([M + "metrics_every_n_steps", "0"], "model.metrics_every_n_steps"),
     ([M + "probe_ridge", "-1"], "model.probe_ridge"), ([M + "width_mult", "10000000"], "model.width_mult"),
     ([D + "d", "2"], "data.d"), ([D + "d1", "16"], "data.d1"), ([D + "C_z", "0"], "data.C_z"),
     ([D + "C_xi", "-1"], "data.C_xi"), ([D + "p", "0"], "data.p"), ([D + "p", "1.5"], "data.p"),
@@ -144,7 +146,7 @@ CASES += spread(CON, [
 CASES += spread(NON, [
     ([M + "width", "0"], "model.width"), ([M + "ema_decay", "1"], "model.ema_decay"), ([M + "lr", "0"], "model.lr"),
     ([M + "head_lr", "-1"], "model.head_lr"), ([M + "eps", "-0.1"], "model.eps"), ([M + "init_std", "0"], "model.init_std"),
-    ([M + "log_every_n_steps", "0"], "model.log_every_n_steps"), ([M + "head", "mlp"], "model.head"),
+    (["--trainer.log_every_n_steps", "0"], "trainer.log_every_n_steps"), ([M + "head", "mlp"], "model.head"),
     ([M + "target", "momentum"], "model.target"), ([M + "out_norm", "none"], "model.out_norm"),
     ([M + "gradient", "exact"], "model.gradient"), ([M + "gradient", "population", M + "out_norm", "l2"], "model.gradient"),
     ([M + "stop_grad", "false", M + "target", "ema"], "model.stop_grad"), ([M + "backend", "cuda"], "model.backend"),
@@ -342,5 +344,5 @@ def test_signatures_unchanged_for_python_callers():
     """Direct construction with the documented defaults still works (tests, notebooks)."""
     for classes in _classes().values():
         for cls in classes:
-            defaults = {n: p.default for n, p in inspect.signature(cls).parameters.items()}
+            defaults = {n: p.default for n, p in inspect.signature(cls).parameters.items() if p.kind != p.VAR_KEYWORD}
             assert all(v is not inspect.Parameter.empty for v in defaults.values()), cls

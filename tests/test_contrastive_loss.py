@@ -6,8 +6,9 @@ import torch
 
 from featlearn.datamodules.sparse_coding import SparseCodingDataModule
 from featlearn.errors import ConfigError
-from featlearn.lightning_modules.contrastive import (ContrastiveModule, infonce_grad_closed_form, infonce_naive,
-                                                      infonce_stopgrad, logistic_probe, ridge_probe)
+from featlearn.kernels.infonce import infonce_grad_closed_form, infonce_reference, infonce_stopgrad
+from featlearn.lightning_modules.contrastive import ContrastiveModule
+from featlearn.metrics.probes import logistic_probe, ridge_probe
 
 CASES = [  # (K, N, m, per_anchor, chunk)
     (7, 13, 5, False, None), (7, 13, 5, False, 1), (7, 13, 5, False, 4), (3, 29, 11, False, 8),
@@ -32,7 +33,7 @@ def test_streamed_loss_and_grad_match_autograd_and_closed_form(K, N, m, per_anch
     loss, p_pos = infonce_stopgrad(a1, q1, n1, tau, chunk_size=chunk)
     loss.mean().backward()
     a2 = ha.clone().requires_grad_(True)
-    ref = infonce_naive(a2, hq, hn, tau)
+    ref = infonce_reference(a2, hq, hn, tau)
     ref.mean().backward()
     assert torch.allclose(loss, ref, rtol=1e-12, atol=1e-12)
     assert torch.allclose(a1.grad, a2.grad, rtol=1e-10, atol=1e-12)
@@ -51,7 +52,7 @@ def test_paper_printed_sign_is_wrong():
     """The paper prints +(1 - l_p) f(q); the autograd gradient has -(1 - l_p) f(q)."""
     ha, hq, hn = _hs(5, 6, 9, 4, False)
     a = ha.clone().requires_grad_(True)
-    infonce_naive(a, hq, hn, 1.0).sum().backward()
+    infonce_reference(a, hq, hn, 1.0).sum().backward()
     soft = torch.softmax(torch.cat([(ha * hq).sum(-1, keepdim=True), ha @ hn.t()], -1), -1)
     printed = (1 - soft[:, :1]) * hq + soft[:, 1:] @ hn
     assert torch.allclose(a.grad, infonce_grad_closed_form(ha, hq, hn, 1.0), rtol=1e-12)
@@ -62,7 +63,7 @@ def test_large_logits_are_stable_and_uniform_value():
     ha, hq, hn = _hs(9, 4, 50, 8, False, scale=30.0)  # logits ~ 1e3 / tau: exp would overflow naively
     loss, p = infonce_stopgrad(ha, hq, hn, 0.5, chunk_size=7)
     assert torch.isfinite(loss).all() and torch.isfinite(p).all()
-    assert torch.allclose(loss, infonce_naive(ha, hq, hn, 0.5), rtol=1e-10)
+    assert torch.allclose(loss, infonce_reference(ha, hq, hn, 0.5), rtol=1e-10)
     # zero anchor: all logits equal -> loss = tau log(N + 1), p_pos = 1/(N+1)
     loss0, p0 = infonce_stopgrad(torch.zeros(3, 8), torch.randn(3, 8), torch.randn(10, 8), 2.0)
     assert torch.allclose(loss0, torch.full((3,), 2.0 * math.log(11)))
@@ -123,6 +124,8 @@ def test_probes():
     ycls = torch.sign(y - 0.7)
     assert logistic_probe(x[:200], ycls[:200], x[200:], ycls[200:]) > 0.95
     assert 0.3 < logistic_probe(noise[:200], ycls[:200], noise[200:], ycls[200:]) < 0.7
+    with torch.inference_mode():  # Lightning's validation and test loops
+        assert logistic_probe(x[:200], ycls[:200], x[200:], ycls[200:]) > 0.95
 
 
 def test_module_config_errors():

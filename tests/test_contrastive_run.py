@@ -28,6 +28,7 @@ def _train(steps, d, d1, batch, lr, augment="random_mask", dictionary="random", 
                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
                         num_sanity_val_steps=0, callbacks=[DivergenceGuard()])
     trainer.fit(model, datamodule=dm)
+    trainer.test(model, datamodule=dm, verbose=False)
     return dm, model, model.summary()
 
 
@@ -41,6 +42,18 @@ def test_random_mask_forms_singletons_fast():
     assert s["act/fire_rate_raw"] <= 0.15
     assert float(model.bias.min()) > 0
     assert s["probe/reg_nmse"] <= 0.95 * s["probe/reg_nmse_raw"]  # seed 0: 0.55 vs 0.64 (stage III just began)
+
+
+def test_test_stage_collects_whole_splits_from_batches():
+    """The test loop hands the module batches of 16 (the last one short): the probes and geometry it reports are
+    those of the whole validation and test splits."""
+    dm = SparseCodingDataModule(d=8, d1=32, batch_size=16, num_negatives=16, num_val=90, num_test=70)
+    model = ContrastiveModule(width=16, backend="torch")
+    trainer = L.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    trainer.test(model, datamodule=dm, verbose=False)
+    whole = model.evaluate(dm.full("val"), dm.full("test"))
+    assert {k: model.summary()[k] for k in whole} == whole
 
 
 def test_coordinate_control_forms_no_singletons_fast():

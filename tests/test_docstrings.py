@@ -7,7 +7,13 @@ import pytest
 MODULES = ["featlearn.experiments.common", "featlearn.experiments.mrp", "featlearn.datamodules.multiview",
            "featlearn.lightning_modules.mrp", "featlearn.lightning_modules.multiview_classifier",
            "featlearn.lightning_modules.multiview_encoder", "featlearn.errors",
-           "featlearn.lightning_modules.contrastive", "featlearn.lightning_modules.noncontrastive"]
+           "featlearn.lightning_modules.contrastive", "featlearn.lightning_modules.noncontrastive",
+           "featlearn.theory.contrastive", "featlearn.metrics.probes", "featlearn.metrics.features",
+           "featlearn.datamodules.sparse_coding", "featlearn.experiments.contrastive",
+           "featlearn.theory.noncontrastive", "featlearn.datamodules.two_feature_patches", "featlearn.theory.mrp",
+           "featlearn.metrics", "featlearn.metrics.figures", "featlearn.lightning_modules.base",
+           "featlearn.kernels.backend", "featlearn.kernels.infonce", "featlearn.kernels.soft_threshold",
+           "featlearn.kernels.patch_activation_sum", "featlearn.kernels.bn_cosine_loss"]
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -19,8 +19,8 @@ import math
 
 import pytest
 import torch
-import yaml
 
+from featlearn.cli import make_cli
 from featlearn.experiments.common import CONFIGS
 from featlearn.experiments.contrastive import run_setting, size_rule
 
@@ -38,15 +38,16 @@ def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("headline")
     sizes = {"schedule": {**SIZE, "bias_reset_step": RESET_STEP}, "learned": SIZE}
     try:
-        yield {(name, seed): run_setting(name, out, sizes[mode], seed)
+        yield {(name, seed): run_setting(name, out, sizes[mode], seed)[0]
                for mode, pair in PAIRS.items() for name in pair for seed in SEEDS}
     finally:
         torch.set_num_threads(old)
 
 
 def _init_args(name: str) -> dict:
-    cfg = yaml.safe_load((CONFIGS / "contrastive" / f"{name}.yaml").read_text())
-    return {**cfg["model"]["init_args"], **{f"data.{k}": v for k, v in cfg["data"]["init_args"].items()}}
+    """The model's and the data's arguments as the CLI composes them from the config and what it includes."""
+    cli = make_cli(["--config", str(CONFIGS / "contrastive" / f"{name}.yaml"), "--trainer.logger", "false"], run=False)
+    return {**cli.model.hparams, **{f"data.{k}": v for k, v in cli.datamodule.hparams.items()}}
 
 
 @pytest.mark.parametrize("mode", PAIRS)

@@ -10,10 +10,11 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from featlearn.cli import main, make_cli
 from featlearn.datamodules.base import SyntheticDataModule
-from featlearn.experiments.common import experiment_parser, parse_experiment_args
+from featlearn.experiments.common import experiment_parser, parse_experiment_args, resolved_config
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = sorted(p for p in (ROOT / "configs").rglob("*.yaml") if "model" in yaml.safe_load(p.read_text()))
+# run configs: a model of their own or a ``config:`` base (data presets and experiment settings are not runs)
+CONFIGS = sorted(p for p in (ROOT / "configs").rglob("*.yaml") if {"model", "config"} & set(yaml.safe_load(p.read_text())))
 
 
 def _class(path: str):
@@ -23,10 +24,10 @@ def _class(path: str):
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda p: str(p.relative_to(ROOT / "configs")))
 def test_every_config_pairs_the_declared_datamodule(config):
-    cli = make_cli(["--config", str(config), "--trainer.logger", "false"], run=False)
-    declared = type(cli.model).datamodule_class
-    assert declared is not SyntheticDataModule, f"{type(cli.model).__name__} declares no datamodule_class"
-    assert type(cli.datamodule) is declared
+    resolved = resolved_config(config.relative_to(ROOT / "configs"))
+    model, data = _class(resolved["model"]["class_path"]), _class(resolved["data"]["class_path"])
+    assert model.datamodule_class is not SyntheticDataModule, f"{model.__name__} declares no datamodule_class"
+    assert data is model.datamodule_class
 
 
 def test_a_module_refuses_another_datamodule(tmp_path, capsys, monkeypatch):

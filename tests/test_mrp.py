@@ -1,4 +1,7 @@
 """Teacher-student and MAE objectives of seed 000 against the closed forms of spec sections 3.1-3.2."""
+import math
+import typing
+
 import pytest
 import torch
 
@@ -6,6 +9,7 @@ from featlearn.datamodules.multiview import MultiViewDataModule
 from featlearn.errors import ConfigError
 from featlearn.kernels import Activation
 from featlearn.lightning_modules.multiview_classifier import MultiViewClassifier
+from featlearn.lightning_modules.multiview_encoder import MultiViewEncoder
 from featlearn.lightning_modules.mrp import (MaskedAutoencoderMRP, TeacherStudentMRP, mae_expected_loss,
                                              mae_masked_loss, teacher_student_expected_loss,
                                              teacher_student_masked_loss)
@@ -98,9 +102,10 @@ def test_module_loss_uses_kernel_and_closed_form():
 def test_sampled_mask_loss_masks_the_student_only():
     dm = MultiViewDataModule(k=4, d=16, P=10, s=1, num_pretrain=12)
     model = TeacherStudentMRP(m=2, sigma0=0.3, loss="mc", backend="torch").attach(dm)
-    batch = dm.full("train")
-    mask = model.sample_mask(batch["index"], dm.P)
-    assert 0 < mask.mean() < 1
+    mask = dm.keep_mask(dm.full("train")["index"], step=0)          # the module asked the data for masks
+    batch = dm.on_after_batch_transfer({"split": "train", "index": torch.arange(12)}, 0)
+    torch.testing.assert_close(batch["mask"], mask, rtol=0, atol=0)
+    assert 0 < mask.mean() < 1 and mask.shape == (12, dm.P)
     x, w = batch["x"].double(), model.weight.detach().double()
     masked_student, teacher, _ = ts_parts(x, w, model.tau(), mask.double())
     torch.testing.assert_close(model.loss(batch).double(), teacher_student_masked_loss(masked_student, teacher, 0.5),
@@ -151,3 +156,29 @@ def test_experiment_refuses_bad_options_before_any_run(options, needle, capsys, 
     assert exit_info.value.code == 2
     assert needle in capsys.readouterr().err
     assert not (tmp_path / "out").exists()          # refused before the output folder is made
+
+
+def _encoder_chain_fields():
+    """Float arguments of each module, including those it forwards as ``**encoder`` to its parents."""
+    for cls in (TeacherStudentMRP, MaskedAutoencoderMRP, MultiViewClassifier):
+        names = {name for base in cls.__mro__ if "__init__" in vars(base) and issubclass(base, MultiViewEncoder)
+                 for name, hint in typing.get_type_hints(base.__init__).items()
+                 if any(getattr(part, "_type", None) is float for part in typing.get_args(hint) or (hint,))}
+        yield from ((cls, name) for name in sorted(names))
+
+
+@pytest.mark.parametrize("cls,name", list(_encoder_chain_fields()), ids=lambda v: getattr(v, "__name__", v))
+def test_forwarded_float_arguments_refuse_nan(cls, name):
+    """``**encoder`` forwarding keeps every inherited range checked from Python, with the same words."""
+    with pytest.raises(ConfigError, match=rf"^model\.{name}: must be .*, got nan$"):
+        cls(**{name: math.nan})
+
+
+def test_each_module_trains_on_its_declared_set():
+    dm = MultiViewDataModule(k=4, d=16, P=10, s=1, num_pretrain=12, num_downstream=8)
+    TeacherStudentMRP(m=2).attach(dm)
+    assert dm.train_set == "pretrain" and len(dm.full("train")["x"]) == 12
+    MultiViewClassifier(m=2).attach(dm)
+    assert dm.train_set == "downstream" and len(dm.full("train")["x"]) == 8
+    with pytest.raises(ConfigError, match=r"^data\.batch_size: must be at most data\.num_downstream = 8"):
+        MultiViewClassifier(m=2).attach(MultiViewDataModule(k=4, d=16, P=10, s=1, num_downstream=8, batch_size=10))

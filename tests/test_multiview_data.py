@@ -94,8 +94,8 @@ def test_samples_are_functions_of_seed_and_index(dm):
     full = dm.full("train")
     for key in ("x", "y", "single_view"):
         assert torch.equal(picked[key], full[key][index])
-    other = MultiViewDataModule(k=6, d=40, P=24, C_p=2, s=2.0, mu=0.3, sigma_p=0.004, gamma=0.001,
-                                train_set="downstream", seed=3)
+    other = MultiViewDataModule(k=6, d=40, P=24, C_p=2, s=2.0, mu=0.3, sigma_p=0.004, gamma=0.001, seed=3)
+    other.use_train_set("downstream")
     assert not torch.allclose(other.sample(index, "train")["x"], picked["x"])
     assert not torch.allclose(dm.sample(index, "test")["x"], picked["x"])
 

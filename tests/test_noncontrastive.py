@@ -7,6 +7,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+import yaml
 
 from featlearn.datamodules.two_feature_patches import TwoFeaturePatchDataModule
 from featlearn.errors import ConfigError
@@ -61,12 +62,12 @@ def test_diag_of_head_never_changes_and_variants():
     assert (heads[-1] - torch.eye(3, dtype=heads[-1].dtype)).abs().max() > 0  # off-diagonal trained
     # no head: E is a constant identity buffer, not a parameter
     model = NonContrastiveModule(width=2, head="none")
-    _fit(model, _small_dm(), 3)
+    _fit(model, _small_dm(), 3, every=1)
     assert torch.equal(model.head, torch.eye(2, dtype=model.head.dtype))
     assert "head" not in dict(model.named_parameters())
     # full head: the diagonal moves too
     model = NonContrastiveModule(width=2, head="full", head_lr=0.5)
-    heads = _fit(model, _small_dm(), 3)
+    heads = _fit(model, _small_dm(), 3, every=1)
     assert (torch.diagonal(heads[-1]) - 1).abs().max() > 0
     assert len(model.history) >= 1 and "head/offdiag_fro" in model.history[0]
 
@@ -164,7 +165,7 @@ def test_short_sgd_run_e21_rises():
     dm = TwoFeaturePatchDataModule(dim=24, num_patches=16, num_feature_patches=4, batch_size=1024, seed=3)
     model = NonContrastiveModule(width=2, lr=0.05, head_lr=0.2, init_seed=3).attach(dm)
     _pin_lagging(model, dm)
-    heads = _fit(model, dm, 30, every=10)
+    heads = _fit(model, dm, 30, every=1)  # theory metrics (and the phase tracker) at every step
     e21 = torch.stack([h[1, 0] for h in heads])
     b = model.w.detach() @ dm.features.T
     assert float(b[1, 0] * b[0, 0]) > 0
@@ -207,8 +208,9 @@ def test_config_errors(kw, field):
         NonContrastiveModule(**kw)
 
 
+# runnable configs (a model or a base config), not the data presets or the experiment settings
 CONFIGS = sorted(c for c in glob.glob(str(Path(__file__).resolve().parents[1] / "configs/noncontrastive/*.yaml"))
-                 if "\nmodel:" in Path(c).read_text())  # runnable configs, not the data presets or the experiment
+                 if {"model", "config"} & set(yaml.safe_load(Path(c).read_text())))
 
 
 def test_all_variant_configs_exist():
@@ -246,7 +248,7 @@ def test_lightning_population_mode_equals_simulator(head):
         model.w[:, :2] = b
         model.w[:, 2:4] = torch.linalg.cholesky(a)                             # noise Gram U U^T = a
     w0 = model.w.detach().clone()
-    _fit(model, dm, steps, every)
+    _fit(model, dm, steps, every=1)  # the module's history at every step, compared on the simulator's records
     out = simulate_population(w0[None], dm.features, dm.alphas, dm.probs, 32, 8, 1.0, steps=steps, lr=0.2,
                               head_lr=0.1, head=head, record_every=every)
     logged = [h for h in model.history if h["step"] % every == 0]

@@ -144,6 +144,15 @@ def test_raw_probe_population_value():
     assert dm.raw_probe_nmse() == pytest.approx(0.60, abs=0.01)  # spec 1.2: ~0.60 at d=32
 
 
+def test_test_stage_reads_the_validation_then_the_test_split():
+    """The probes of the test stage are fitted on the validation split and scored on the test split."""
+    dm = SparseCodingDataModule(d=8, d1=32, batch_size=16, num_negatives=16, num_val=40, num_test=24)
+    for loader, split in zip(dm.test_dataloader(), ("val", "test")):
+        index = torch.cat([dm.on_after_batch_transfer(b, 0)["index"] for b in loader])
+        assert torch.equal(index, torch.arange(dm.sizes[split]))
+        assert all(b["split"] == split for b in loader)
+
+
 @pytest.mark.parametrize("kw,field", [({"d": 2}, "data.d"), ({"d1": 16}, "data.d1"), ({"mask_prob": 1.0}, "data.mask_prob"),
                                       ({"augment": "crop"}, "data.augment"), ({"dictionary": "dct"}, "data.dictionary"),
                                       ({"negatives": "queue"}, "data.negatives"), ({"num_negatives": 0}, "data.num_negatives"),
