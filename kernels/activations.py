@@ -100,6 +100,27 @@ class Activation:
             return z.clamp_min(0.0)
         return z.pow(self.q)
 
+    def value_and_derivative(self, z: torch.Tensor, slope: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(f(z), f'(z))`` (``f'`` None unless ``slope``), sharing the clamp / power between the two and
+        working in place on its own temporaries, so not for autograd: the fused fallbacks use it.
+
+        Example:
+            >>> f, df = Activation("srelu", q=3, rho=0.5).value_and_derivative(torch.tensor([0.25, 1.0]))
+            >>> f, df
+            (tensor([0.0208, 0.6667]), tensor([0.2500, 1.0000]))
+        """
+        if self.name == "srelu":  # f = c (c/rho)^(q-1) / q + max(z - rho, 0) with c = clamp(z, 0, rho)
+            c = z.clamp(0.0, self.rho)
+            linear = (z - self.rho).clamp_min_(0.0)
+            if not slope:
+                return c.pow_(self.q).mul_(1.0 / (self.q * self.rho ** (self.q - 1))).add_(linear), None
+            d = (c * (1.0 / self.rho)).pow_(self.q - 1)
+            return c.mul_(d).mul_(1.0 / self.q).add_(linear), d
+        if self.name == "relu":
+            return z.clamp_min(0.0), (z > 0).to(z.dtype) if slope else None
+        lower = z.pow(self.q - 1)
+        return z * lower, lower.mul_(self.q) if slope else None
+
     def derivative(self, z: torch.Tensor) -> torch.Tensor:
         """Elementwise f'(z) (for relu, 0 at z = 0)."""
         if self.name == "srelu":

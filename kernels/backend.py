@@ -1,6 +1,7 @@
 """What every fused op shares: the backend choice (``auto`` takes Triton for CUDA tensors, PyTorch
-otherwise), the input dtype policy, output allocation, and the Triton launch helpers (autotune configs,
-grids, accumulator dtype, row-major inputs). ``docs/adding_an_op.md`` shows how an op uses them.
+otherwise), the input dtype policy, the GEMM input precision, output allocation, and the Triton launch
+helpers (autotune configs, grouped launch order, grids, accumulator dtype, row-major inputs).
+``docs/adding_an_op.md`` shows how an op uses them.
 
 Dtype policy: every op takes float32 or float64 tensors, all of one dtype, and computes in that dtype
 (float32 accumulation at least for float32, float64 end to end for float64). Anything else is refused by
@@ -8,6 +9,8 @@ Dtype policy: every op takes float32 or float64 tensors, all of one dtype, and c
 the dtype given and the allowed dtypes. Half precision is refused rather than upcast because the
 feature-learning signals these ops carry are ~1e-2 relative and would drown in fp16/bf16 rounding.
 """
+import contextlib
+import math
 import os
 
 import torch
@@ -17,6 +20,7 @@ import triton.language as tl
 from featlearn.errors import ConfigError
 
 BACKENDS = ("auto", "torch", "triton")
+PRECISIONS = ("auto", "tf32", "ieee")
 FLOAT_DTYPES = (torch.float32, torch.float64)
 _SUPPORTED = "supported: " + ", ".join(str(d) for d in FLOAT_DTYPES) + " (all inputs the same dtype)"
 
@@ -95,9 +99,66 @@ def acc_dtype(t: torch.Tensor):
     return tl.float64 if t.dtype == torch.float64 else tl.float32
 
 
-# GEMM-like kernels (output tile rows x cols, reduction tile): (rows, cols, k, num_warps, num_stages)
-GEMM_TILES = ((128, 128, 32, 8, 3), (128, 64, 32, 4, 4), (64, 128, 32, 4, 4), (64, 64, 32, 4, 4),
-              (64, 64, 64, 4, 3))
+def resolve_precision(input_precision: str, dtype: torch.dtype) -> str:
+    """The ``input_precision`` of the Triton ``tl.dot`` calls for inputs of ``dtype``: ``"tf32"`` or ``"ieee"``.
+
+    ``"auto"`` is TF32 (tensor cores; operands rounded to 10 mantissa bits, ~5e-4 relative each) for
+    float32 and IEEE for float64; float64 is IEEE whatever is asked, since there is no float64 TF32. GEMMs an op's
+    Triton path hands to cuBLAS follow it too (:func:`cublas_precision`); the PyTorch fallback ignores it
+    (its GEMMs follow ``torch.backends.cuda.matmul.allow_tf32``).
+
+    Example:
+        >>> resolve_precision("auto", torch.float32), resolve_precision("tf32", torch.float64)
+        ('tf32', 'ieee')
+    """
+    if input_precision not in PRECISIONS:
+        raise ConfigError("input_precision", f"one of {PRECISIONS}", input_precision)
+    if dtype == torch.float64:
+        return "ieee"
+    return "tf32" if input_precision == "auto" else input_precision
+
+
+@contextlib.contextmanager
+def cublas_precision(precision: str):
+    """PyTorch CUDA matmuls inside the block use TF32 iff ``precision == "tf32"`` (the flag is restored
+    after): an op that hands GEMMs to cuBLAS keeps them at its ``input_precision``. No effect on CPU.
+
+    Example:
+        >>> with cublas_precision("ieee"):
+        ...     torch.backends.cuda.matmul.allow_tf32
+        False
+    """
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+
+
+# GEMM-like kernels: (output tile rows, cols, reduction tile, GROUP_M, num_warps, num_stages). GROUP_M
+# row tiles sweep the column tiles together (grouped_tile), so each column tile of the second operand is
+# read from HBM once per group and reused from L2 by the group's other programs.
+# The 16-column tiles are for very narrow outputs (spec 004's encoder has R = 2 kernels): a 64-wide tile
+# would spend 32x the needed MMA work there, and 64-row blocks give enough programs to fill the SMs.
+GEMM_TILES = ((128, 128, 32, 8, 8, 3), (128, 128, 64, 8, 8, 3), (128, 64, 32, 8, 4, 4), (64, 128, 32, 8, 4, 4),
+              (64, 64, 32, 8, 4, 4), (128, 128, 32, 1, 8, 3), (64, 16, 64, 8, 4, 3), (128, 16, 64, 8, 4, 3))
+# the interpreter's tiles: 16-wide blocks so that the tests' odd sizes span several tiles and a partial
+# last group of 2 row tiles
+INTERPRETER_GEMM_TILE = (16, 16, 16, 2)
+
+
+@triton.jit
+def grouped_tile(pid, n_rows, n_cols, GROUP: tl.constexpr):
+    """(row tile, column tile) of program ``pid`` of a 1-D grid of ``n_rows * n_cols`` programs.
+
+    Programs run roughly in ``pid`` order; ``GROUP`` consecutive row tiles sweep the column tiles
+    together (the last group may be shorter), a bijection onto the tile grid.
+    """
+    per_group = GROUP * n_cols
+    first = (pid // per_group) * GROUP
+    size = tl.minimum(n_rows - first, GROUP)
+    return first + (pid % per_group) % size, (pid % per_group) // size
 
 
 def autotune_configs(names: tuple[str, ...], gpu_tiles, interpreter_tiles: tuple[int, ...]) -> list:
@@ -128,6 +189,19 @@ def tile_grid(*dims: tuple[int, str] | int):
     """
     def grid(meta):
         return tuple(d if isinstance(d, int) else triton.cdiv(d[0], meta[d[1]]) for d in dims)
+    return grid
+
+
+def grouped_grid(rows: tuple[int, str], cols: tuple[int, str] | int):
+    """Launch grid of a kernel that maps its program id with :func:`grouped_tile`: one program per tile
+    of the ``rows`` x ``cols`` output (``(n, "BLOCK_X")`` as in :func:`tile_grid`, ``cols`` may be 1).
+
+    Example:
+        >>> grouped_grid((100, "BLOCK_M"), (40, "BLOCK_N"))({"BLOCK_M": 32, "BLOCK_N": 16})
+        (12,)
+    """
+    def grid(meta):
+        return (math.prod(d if isinstance(d, int) else triton.cdiv(d[0], meta[d[1]]) for d in (rows, cols)),)
     return grid
 
 

@@ -25,10 +25,16 @@ Backends (``backend="auto"`` picks Triton for CUDA tensors); the per-column (bn)
 coefficients of the gradient are formed in float64 on both:
 
 * ``triton``: bn: one pass over p and z in which every program reduces its row range to column mean /
-  centred second moments / co-moment, merged in registers with Chan's update (cancellation-free), a tiny
-  float64 merge of the per-program partials, and a backward ``dF = A_j (F - mu_F) - B_j (G - mu_G)``.
+  centred second moments / co-moment, merged in registers with Chan's update (cancellation-free), a
+  second small kernel that merges the per-program partials per column in float64, and a backward
+  ``dF = g (A_j (F - mu_F) - B_j (G - mu_G))`` that reads grad_output ``g`` from the device.
   l2: per-row losses from row sums over column chunks, recomputed in the backward. Nothing N x m is
   written apart from the gradient (l2 forward: one float per row); one read of p, z per pass.
+  Host-side ops per step (bn, unsynced): 2 launches and ~19 float64 ops on [m]-sized tensors in the
+  forward (loss and backward coefficients, ``_bn_loss_and_coefficients``), 1 launch and none in the
+  backward (was ~72 ops). They stay on the host side because the synced path forms the same
+  coefficients after the all-gather; folding them into the merge kernel would duplicate the formulas.
+  No host-to-device copy: N is a Python number unless it comes from the all-gather.
 * ``torch``: the same statistics and coefficients with float64 torch ops.
 
 Dtypes follow the shared policy of ``featlearn.kernels.backend``: p and z both float32 or both float64,
@@ -43,7 +49,7 @@ global loss; the backward needs no collective. DDP *averages* parameter gradient
 training step that wants the exact global gradient multiplies the loss it backpropagates by the world
 size (``NonContrastiveModule`` does).
 
-Length (~460 lines): two normalisations (bn, l2) x two backends, Chan merging and the DDP all-gather.
+Length (~500 lines): two normalisations (bn, l2) x two backends, Chan merging and the DDP all-gather.
 
 Example:
     >>> import torch
@@ -79,6 +85,8 @@ _CONFIGS = autotune_configs(("BLOCK_N", "BLOCK_M"), _TILES, (8, 4))
 # rows one statistics program reduces: fixed, and a multiple of every BLOCK_N, so that the number of
 # partials does not depend on the config autotune picks (16 under the interpreter, 512 on a GPU)
 _STATS_ROWS = 2 * max(c.kwargs["BLOCK_N"] for c in _CONFIGS)
+# the merge of the row-block partials: one program per BLOCK_M columns, a loop over the blocks
+_MERGE_CONFIGS = autotune_configs(("BLOCK_M",), ((128, 4, 1), (256, 4, 1), (64, 2, 1)), (4,))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -139,23 +147,58 @@ def _bn_cosine_fwd_stats_kernel(p_ptr, z_ptr, part_ptr, N, M, NPROG, ROWS: tl.co
     tl.store(base + 4 * stride, c_a, mask=cmask)
 
 
+@triton.autotune(configs=_MERGE_CONFIGS, key=["N", "M", "NPROG"])
+@triton.jit
+def _bn_cosine_fwd_merge_kernel(part_ptr, stats_ptr, N, M, NPROG, ROWS: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Merge the NPROG row-block partials of each column (Chan's update, float64) into
+    ``stats [5, M]`` = (mean_F, mean_G, M2_F, M2_G, C) of all N rows; block k holds min(ROWS, N - k ROWS)."""
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cmask = rm < M
+    n_a = tl.zeros((BLOCK_M,), dtype=tl.float64)
+    mf_a = tl.zeros((BLOCK_M,), dtype=tl.float64)
+    mg_a = tl.zeros((BLOCK_M,), dtype=tl.float64)
+    m2f_a = tl.zeros((BLOCK_M,), dtype=tl.float64)
+    m2g_a = tl.zeros((BLOCK_M,), dtype=tl.float64)
+    c_a = tl.zeros((BLOCK_M,), dtype=tl.float64)
+    stride = NPROG * M
+    for k in range(0, NPROG):
+        base = part_ptr + k * M + rm
+        n_b = tl.minimum(N - k * ROWS, ROWS).to(tl.float64)
+        n = n_a + n_b
+        df = tl.load(base, mask=cmask, other=0.0).to(tl.float64) - mf_a
+        dg = tl.load(base + stride, mask=cmask, other=0.0).to(tl.float64) - mg_a
+        w = n_a * n_b / n
+        mf_a = mf_a + df * (n_b / n)
+        mg_a = mg_a + dg * (n_b / n)
+        m2f_a = m2f_a + tl.load(base + 2 * stride, mask=cmask, other=0.0).to(tl.float64) + df * df * w
+        m2g_a = m2g_a + tl.load(base + 3 * stride, mask=cmask, other=0.0).to(tl.float64) + dg * dg * w
+        c_a = c_a + tl.load(base + 4 * stride, mask=cmask, other=0.0).to(tl.float64) + df * dg * w
+        n_a = n
+    tl.store(stats_ptr + rm, mf_a, mask=cmask)
+    tl.store(stats_ptr + M + rm, mg_a, mask=cmask)
+    tl.store(stats_ptr + 2 * M + rm, m2f_a, mask=cmask)
+    tl.store(stats_ptr + 3 * M + rm, m2g_a, mask=cmask)
+    tl.store(stats_ptr + 4 * M + rm, c_a, mask=cmask)
+
+
 @triton.autotune(configs=_CONFIGS, key=["N", "M", "NEED_DZ"])
 @triton.jit
-def _bn_cosine_bwd_bn_kernel(p_ptr, z_ptr, coef_ptr, dp_ptr, dz_ptr, N, M, NEED_DZ: tl.constexpr,
+def _bn_cosine_bwd_bn_kernel(p_ptr, z_ptr, coef_ptr, gout_ptr, dp_ptr, dz_ptr, N, M, NEED_DZ: tl.constexpr,
                              ACC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
-    """dF = A (F - mu_F) - B (G - mu_G); dG = A' (G - mu_G) - B (F - mu_F).
-    ``coef`` rows: mu_F, mu_G, A, B, A' (per column, grad_output folded in)."""
+    """dF = g (A (F - mu_F) - B (G - mu_G)); dG = g (A' (G - mu_G) - B (F - mu_F)), g = grad_output.
+    ``coef`` (float64) rows: mu_F, mu_G, A, B, A' per column; g is folded in here, in float64."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     cmask = rm < M
+    gout = tl.load(gout_ptr).to(tl.float64)  # stays on the device: no host sync
     f, g, mask, offs = _bn_cosine_load(p_ptr, z_ptr, rn, rm, N, M, ACC)
     xf = f - tl.load(coef_ptr + rm, mask=cmask, other=0.0).to(ACC)[None, :]
     xg = g - tl.load(coef_ptr + M + rm, mask=cmask, other=0.0).to(ACC)[None, :]
-    ca = tl.load(coef_ptr + 2 * M + rm, mask=cmask, other=0.0).to(ACC)[None, :]
-    cb = tl.load(coef_ptr + 3 * M + rm, mask=cmask, other=0.0).to(ACC)[None, :]
+    ca = (gout * tl.load(coef_ptr + 2 * M + rm, mask=cmask, other=0.0)).to(ACC)[None, :]
+    cb = (gout * tl.load(coef_ptr + 3 * M + rm, mask=cmask, other=0.0)).to(ACC)[None, :]
     tl.store(dp_ptr + offs, (ca * xf - cb * xg).to(dp_ptr.dtype.element_ty), mask=mask)
     if NEED_DZ:
-        cz = tl.load(coef_ptr + 4 * M + rm, mask=cmask, other=0.0).to(ACC)[None, :]
+        cz = (gout * tl.load(coef_ptr + 4 * M + rm, mask=cmask, other=0.0)).to(ACC)[None, :]
         tl.store(dz_ptr + offs, (cz * xg - cb * xf).to(dz_ptr.dtype.element_ty), mask=mask)
 
 
@@ -209,34 +252,35 @@ def _bn_cosine_bwd_l2_kernel(p_ptr, z_ptr, dp_ptr, dz_ptr, scale_ptr, eps: tl.fl
 
 # ----------------------------------------------------------------------------------------------
 # launchers and PyTorch fallback. Forward: the per-rank part of the loss in float64 -- bn: column
-# statistics (n, mean_F, mean_G, M2_F, M2_G, C); l2: the sum of the per-row losses. Backward: (dp, dz)
-# from float64 coefficients -- bn: [5, m] rows (mu_F, mu_G, A, B, A'); l2: the scale grad_out / N.
+# statistics ``[5, m]`` = (mean_F, mean_G, M2_F, M2_G, C) over this rank's rows; l2: the sum of the
+# per-row losses. Backward: (dp, dz) from the float64 coefficients and grad_output (a 0-d tensor) --
+# bn: ``[5, m]`` rows (mu_F, mu_G, A, B, A'); l2: the scale grad_out / N.
 # ----------------------------------------------------------------------------------------------
 def _bn_cosine_fwd_triton(p, z, out_norm, eps):
     n_rows, m = p.shape
     if out_norm == "l2":
         loss_rows = kb.new_output((n_rows,), p)
         _bn_cosine_fwd_l2_kernel[tile_grid((n_rows, "BLOCK_N"))](p, z, loss_rows, eps, n_rows, m, ACC=acc_dtype(p))
-        return loss_rows.to(torch.float64).sum()
+        return loss_rows.sum(dtype=torch.float64)
     nprog = triton.cdiv(n_rows, _STATS_ROWS)
     part = kb.new_output((5, nprog, m), p)
     _bn_cosine_fwd_stats_kernel[tile_grid(nprog, (m, "BLOCK_M"))](p, z, part, n_rows, m, nprog, ROWS=_STATS_ROWS,
                                                                   ACC=acc_dtype(p))
-    counts = (n_rows - _STATS_ROWS * torch.arange(nprog, device=p.device)).clamp(0, _STATS_ROWS)
-    return _merge(counts, part)
+    stats = kb.new_output((5, m), p, torch.float64)
+    _bn_cosine_fwd_merge_kernel[tile_grid((m, "BLOCK_M"))](part, stats, n_rows, m, nprog, ROWS=_STATS_ROWS)
+    return stats
 
 
-def _bn_cosine_bwd_triton(p, z, out_norm, coef, eps, need_dp, need_dz):
+def _bn_cosine_bwd_triton(p, z, out_norm, coef, grad_out, eps, need_dp, need_dz):
     n_rows, m = p.shape
     dp = kb.new_output((n_rows, m), p)  # the kernels always write dp
     dz = kb.new_output((n_rows, m), z) if need_dz else None
-    args = (p, z, coef.to(p.dtype))
     if out_norm == "bn":
         _bn_cosine_bwd_bn_kernel[tile_grid((n_rows, "BLOCK_N"), (m, "BLOCK_M"))](
-            *args, dp, dp if dz is None else dz, n_rows, m, NEED_DZ=need_dz, ACC=acc_dtype(p))
+            p, z, coef, grad_out, dp, dp if dz is None else dz, n_rows, m, NEED_DZ=need_dz, ACC=acc_dtype(p))
     else:
         _bn_cosine_bwd_l2_kernel[tile_grid((n_rows, "BLOCK_N"))](
-            p, z, dp, dp if dz is None else dz, args[2], eps, n_rows, m, NEED_DZ=need_dz, ACC=acc_dtype(p))
+            p, z, dp, dp if dz is None else dz, coef, eps, n_rows, m, NEED_DZ=need_dz, ACC=acc_dtype(p))
     return (dp if need_dp else None), dz
 
 
@@ -245,19 +289,19 @@ def _bn_cosine_fwd_torch(p, z, out_norm, eps):
     if out_norm == "l2":
         a, b, c = (pf * pf).sum(1), (zf * zf).sum(1), (pf * zf).sum(1)
         return (a / (a + eps) + b / (b + eps) - 2 * c / torch.sqrt((a + eps) * (b + eps))).sum()
-    n = torch.tensor(float(p.shape[0]), dtype=torch.float64, device=p.device)
-    mf, mg = pf.mean(0), zf.mean(0)
-    cf, cg = pf - mf, zf - mg
-    return n, mf, mg, (cf * cf).sum(0), (cg * cg).sum(0), (cf * cg).sum(0)
+    means = torch.stack([pf.mean(0), zf.mean(0)])
+    cf, cg = pf - means[0], zf - means[1]
+    return torch.cat([means, torch.stack([(cf * cf).sum(0), (cg * cg).sum(0), (cf * cg).sum(0)])])
 
 
-def _bn_cosine_bwd_torch(p, z, out_norm, coef, eps, need_dp, need_dz):
+def _bn_cosine_bwd_torch(p, z, out_norm, coef, grad_out, eps, need_dp, need_dz):
     pf, zf = p.to(torch.float64), z.to(torch.float64)
     if out_norm == "bn":
+        g = grad_out.to(torch.float64)
         mf, mg, coef_a, coef_b, coef_az = coef
         xf, xg = pf - mf, zf - mg
-        dp = coef_a * xf - coef_b * xg if need_dp else None
-        dz = coef_az * xg - coef_b * xf if need_dz else None
+        dp = g * (coef_a * xf - coef_b * xg) if need_dp else None
+        dz = g * (coef_az * xg - coef_b * xf) if need_dz else None
     else:
         a, b, c = (pf * pf).sum(1, keepdim=True), (zf * zf).sum(1, keepdim=True), (pf * zf).sum(1, keepdim=True)
         cross = 2.0 / torch.sqrt((a + eps) * (b + eps))
@@ -267,34 +311,29 @@ def _bn_cosine_bwd_torch(p, z, out_norm, coef, eps, need_dp, need_dz):
     return (None if dp is None else dp.to(p.dtype)), (None if dz is None else dz.to(z.dtype))
 
 
-def _merge(counts: torch.Tensor, part: torch.Tensor):
-    """Merge block statistics (Chan et al.). ``counts [K]``, ``part [5, K, m]`` = (mean_F, mean_G, M2_F,
-    M2_G, C). Returns (n, mean_F, mean_G, M2_F, M2_G, C) in float64 over the union of the blocks."""
-    counts = counts.to(torch.float64)
+def _merge(counts: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
+    """Merge per-rank statistics (Chan et al.). ``counts [K]``, ``part [5, K, m]`` = (mean_F, mean_G, M2_F,
+    M2_G, C). Returns ``[5, m]`` (mean_F, mean_G, M2_F, M2_G, C) in float64 over the union of the ranks."""
+    w = counts.to(torch.float64)[:, None]
     part = part.to(torch.float64)
-    n = counts.sum()
-    w = counts[:, None]
-    mf = (w * part[0]).sum(0) / n
-    mg = (w * part[1]).sum(0) / n
-    df, dg = part[0] - mf, part[1] - mg
-    m2f = part[2].sum(0) + (w * df * df).sum(0)
-    m2g = part[3].sum(0) + (w * dg * dg).sum(0)
-    c = part[4].sum(0) + (w * df * dg).sum(0)
-    return n, mf, mg, m2f, m2g, c
+    means = (w * part[:2]).sum(1) / w.sum()
+    dev = part[:2] - means[:, None]
+    cross = torch.stack([dev[0] * dev[0], dev[1] * dev[1], dev[0] * dev[1]])
+    return torch.cat([means, part[2:].sum(1) + (w * cross).sum(1)])
 
 
 def _column_stats(p, z, backend, sync, group):
-    """Column statistics of this rank's rows, or of the global batch when ``sync`` (all-gathered, merged)."""
+    """``(n, stats [5, m])`` of this rank's rows (n a float), or of the global batch when ``sync``
+    (all-gathered and merged; n a 0-d float64 tensor on the device)."""
     stats = (_bn_cosine_fwd_triton if backend == "triton" else _bn_cosine_fwd_torch)(p, z, "bn", 0.0)
     if not sync:
-        return stats
-    n, mf, mg, m2f, m2g, c = stats
-    flat = torch.cat([n.reshape(1), mf, mg, m2f, m2g, c]).to(torch.float64)
+        return float(p.shape[0]), stats
+    flat = torch.cat([stats.new_full((1,), float(p.shape[0])), stats.reshape(-1)])
     out = [torch.empty_like(flat) for _ in range(dist.get_world_size(group))]
     dist.all_gather(out, flat, group=group)
-    allv = torch.stack(out)  # [R, 1 + 5m]
-    # merged per-rank (mean, M2, C) have the same algebra as block partials
-    return _merge(allv[:, 0], allv[:, 1:].reshape(-1, 5, mf.numel()).permute(1, 0, 2))
+    allv = torch.stack(out)  # [ranks, 1 + 5m]
+    # per-rank (mean, M2, C) have the algebra of block partials
+    return allv[:, 0].sum(), _merge(allv[:, 0], allv[:, 1:].reshape(-1, 5, stats.shape[1]).transpose(0, 1))
 
 
 def _want_sync(sync: bool | None, group) -> bool:
@@ -303,6 +342,22 @@ def _want_sync(sync: bool | None, group) -> bool:
     if sync and not (dist.is_available() and dist.is_initialized()):
         raise ConfigError("sync", "False or None when torch.distributed is not initialised", sync)
     return bool(sync)
+
+
+def _bn_loss_and_coefficients(n, stats: torch.Tensor, eps: float):
+    """The bn loss and the backward's ``[5, m]`` coefficients (mu_F, mu_G, A, B, A') without grad_output,
+    from the column statistics; float64, about 20 small ops on [m]-sized tensors (see module docstring)."""
+    m = stats.shape[1]
+    var = stats[2:4] / n  # var F, var G
+    v = var + eps
+    a = v.rsqrt()  # a_F, a_G
+    ab = a[0] * a[1]
+    rho = stats[4] / n * ab
+    r = var / v
+    loss = torch.sub(r.sum(), rho.sum(), alpha=2.0) / m
+    k = 2.0 / (m * n)
+    diag = (1.0 - r + rho).mul_(a * a).mul_(k)  # A, A'
+    return loss, torch.cat([stats[:2], diag[:1], (ab * k)[None], diag[1:]])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -314,21 +369,20 @@ class BNCosineLossFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, p, z, out_norm, eps, backend, sync, group):
         if out_norm == "bn":
-            n, mf, mg, m2f, m2g, c = _column_stats(p, z, backend, sync, group)
-            vf, vg = m2f / n + eps, m2g / n + eps  # (var + eps)
-            rho = (c / n) / torch.sqrt(vf * vg)
-            loss = ((m2f / n) / vf + (m2g / n) / vg - 2.0 * rho).sum() / p.shape[1]
-            ctx.save_for_backward(p, z, n, mf, mg, vf, vg, rho, m2f / n, m2g / n)
+            n, stats = _column_stats(p, z, backend, sync, group)
+            loss, coef = _bn_loss_and_coefficients(n, stats, eps)
         else:
             total = (_bn_cosine_fwd_triton if backend == "triton" else _bn_cosine_fwd_torch)(p, z, out_norm, eps)
-            n = torch.tensor(float(p.shape[0]), dtype=torch.float64, device=p.device)
+            n = float(p.shape[0])
             if sync:
-                buf = torch.stack([total, n])
+                buf = torch.stack([total, total.new_full((), n)])
                 dist.all_reduce(buf, group=group)
                 total, n = buf[0], buf[1]
             loss = total / n
-            ctx.save_for_backward(p, z, n)
-        ctx.out_norm, ctx.eps, ctx.backend = out_norm, eps, backend
+            coef = 1.0 / n  # times grad_out in the backward
+        ctx.save_for_backward(p, z)
+        # coef is derived (not an input or output), so it may live on ctx; a float when unsynced l2
+        ctx.coef, ctx.out_norm, ctx.eps, ctx.backend = coef, out_norm, eps, backend
         return loss.to(p.dtype)
 
     @staticmethod
@@ -336,18 +390,12 @@ class BNCosineLossFunction(torch.autograd.Function):
         need_dp, need_dz = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if not (need_dp or need_dz):
             return (None,) * 7
-        g = grad_out.to(torch.float64)
-        if ctx.out_norm == "bn":
-            p, z, n, mf, mg, vf, vg, rho, varf, varg = ctx.saved_tensors
-            af, ag = vf.rsqrt(), vg.rsqrt()
-            k = 2.0 * g / (p.shape[1] * n)
-            coef = torch.stack([mf, mg, k * af * af * (1.0 - varf / vf + rho), k * af * ag,
-                                k * ag * ag * (1.0 - varg / vg + rho)])
-        else:
-            p, z, n = ctx.saved_tensors
-            coef = g / n
+        p, z = ctx.saved_tensors
+        coef = ctx.coef
+        if ctx.out_norm == "l2":  # the per-row kernel reads its scale from the device
+            coef, grad_out = grad_out.to(torch.float64) * coef, None
         bwd = _bn_cosine_bwd_triton if ctx.backend == "triton" else _bn_cosine_bwd_torch
-        return (*bwd(p, z, ctx.out_norm, coef, ctx.eps, need_dp, need_dz), None, None, None, None, None)
+        return (*bwd(p, z, ctx.out_norm, coef, grad_out, ctx.eps, need_dp, need_dz), None, None, None, None, None)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -431,10 +479,10 @@ def bn_column_stats(p: torch.Tensor, z: torch.Tensor, *, sync: bool | None = Non
     backend = resolve_backend(backend, p, z)
     if backend == "triton":
         p, z = contiguous(p, z)
-    n, mf, mg, m2f, m2g, c = _column_stats(p, z, backend, _want_sync(sync, group), group)
-    vf, vg = m2f / n, m2g / n
-    return {"n": n, "mean_p": mf, "mean_z": mg, "var_p": vf, "var_z": vg, "cov": c / n,
-            "rho": (c / n) / torch.sqrt(vf * vg)}
+    n, stats = _column_stats(p, z, backend, _want_sync(sync, group), group)
+    mf, mg, vf, vg, cov = stats[0], stats[1], stats[2] / n, stats[3] / n, stats[4] / n
+    return {"n": torch.as_tensor(n, dtype=torch.float64, device=p.device), "mean_p": mf, "mean_z": mg,
+            "var_p": vf, "var_z": vg, "cov": cov, "rho": cov / torch.sqrt(vf * vg)}
 
 
 # ----------------------------------------------------------------------------------------------

@@ -9,15 +9,18 @@ the literal two-ReLU formula is used, which has slope 2 on ``|u| < -b``. Derivat
 Backends (``backend="auto"`` picks Triton for CUDA tensors), both saving x, W and a uint8 code
 ``1{u>b} + 2*1{u<-b}`` instead of ``u``:
 
-* ``triton``: three autotuned GEMM kernels: ``x W^T`` with a soft-threshold epilogue (writes ``h`` and the
-  code), ``grad_x = (g*slope) W`` whose prologue rebuilds ``grad_u`` from the code, and
-  ``grad_W = (g*slope)^T x`` that also reduces ``grad_b`` in the programs of the first column tile.
-  ``u`` is never written to memory; cost 3 GEMMs of ``B*m*d1`` multiply-adds, extra memory ``B*m`` bytes.
+* ``triton``: three autotuned GEMM kernels (grouped launch order, ``tl.dot`` in TF32 or IEEE precision):
+  ``x W^T`` with a soft-threshold epilogue (writes ``h`` and the code), ``grad_x = (g*slope) W`` whose
+  prologue rebuilds ``grad_u`` from the code, and ``grad_W = (g*slope)^T x`` that also reduces ``grad_b``
+  in the programs of the first column tile. ``u`` is never written to memory; cost 3 GEMMs of ``B*m*d1``
+  multiply-adds (2 when x needs no gradient, as in training), extra memory ``B*m`` bytes.
 * ``torch``: the same algebra with PyTorch ops (``u`` exists as a temporary in the forward only).
 
 Dtypes follow the shared policy of ``featlearn.kernels.backend``: x, W and b all float32 or all float64,
 anything else refused up front. Both backends compute in the input dtype; the Triton GEMMs accumulate in
-it too, so float64 runs agree with the float64 reference to rounding (~1e-16 relative).
+it too, so float64 runs agree with the float64 reference to rounding (~1e-16 relative). Float32 products
+are TF32 by default in the Triton path (``input_precision="auto"``, ~1e-3 relative); ``"ieee"`` gives
+float32 rounding (~1e-7), which seed-001 runs want (see ``docs/performance.md``).
 
 Example:
     >>> import torch
@@ -35,8 +38,9 @@ import triton.language as tl
 
 from featlearn.errors import ConfigError
 from featlearn.kernels import backend as kb  # kb.new_output: the allocation tests poison
-from featlearn.kernels.backend import (GEMM_TILES, acc_dtype, autotune_configs, check_backend, check_float_inputs,
-                                       contiguous, resolve_backend, tile_grid)
+from featlearn.kernels.backend import (GEMM_TILES, INTERPRETER_GEMM_TILE, acc_dtype, autotune_configs, check_backend,
+                                       check_float_inputs, contiguous, grouped_grid, grouped_tile, resolve_backend,
+                                       resolve_precision)
 
 __all__ = ["soft_threshold_layer", "soft_threshold_reference", "symmetric_relu", "SoftThresholdFunction"]
 
@@ -44,15 +48,17 @@ __all__ = ["soft_threshold_layer", "soft_threshold_reference", "symmetric_relu",
 # ----------------------------------------------------------------------------------------------
 # Triton kernels
 # ----------------------------------------------------------------------------------------------
-@triton.autotune(configs=autotune_configs(("BLOCK_B", "BLOCK_M", "BLOCK_K"), GEMM_TILES, (16, 16, 16)),
+@triton.autotune(configs=autotune_configs(("BLOCK_B", "BLOCK_M", "BLOCK_K", "GROUP_M"), GEMM_TILES,
+                                          INTERPRETER_GEMM_TILE),
                  key=["B", "M", "D", "PRECISION"])
 @triton.jit
 def _soft_threshold_fwd_kernel(x_ptr, w_ptr, b_ptr, h_ptr, code_ptr, B, M, D,
-                               PRECISION: tl.constexpr, ACC: tl.constexpr,
-                               BLOCK_B: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+                               PRECISION: tl.constexpr, ACC: tl.constexpr, BLOCK_B: tl.constexpr,
+                               BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     # u[B, M] = x[B, D] @ w[M, D]^T with the soft-threshold epilogue
-    rb = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
-    rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    pid_b, pid_m = grouped_tile(tl.program_id(0), tl.cdiv(B, BLOCK_B), tl.cdiv(M, BLOCK_M), GROUP_M)
+    rb = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rk = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_B, BLOCK_M), dtype=ACC)
     for k0 in range(0, D, BLOCK_K):
@@ -69,15 +75,17 @@ def _soft_threshold_fwd_kernel(x_ptr, w_ptr, b_ptr, h_ptr, code_ptr, B, M, D,
     tl.store(code_ptr + offs, code, mask=omask)
 
 
-@triton.autotune(configs=autotune_configs(("BLOCK_B", "BLOCK_D", "BLOCK_K"), GEMM_TILES, (16, 16, 16)),
+@triton.autotune(configs=autotune_configs(("BLOCK_B", "BLOCK_D", "BLOCK_K", "GROUP_M"), GEMM_TILES,
+                                          INTERPRETER_GEMM_TILE),
                  key=["B", "M", "D", "PRECISION"])
 @triton.jit
 def _soft_threshold_bwd_x_kernel(g_ptr, code_ptr, w_ptr, gx_ptr, B, M, D,
-                                 PRECISION: tl.constexpr, ACC: tl.constexpr,
-                                 BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr):
+                                 PRECISION: tl.constexpr, ACC: tl.constexpr, BLOCK_B: tl.constexpr,
+                                 BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     # grad_x[B, D] = (g * slope)[B, M] @ w[M, D]; slope rebuilt from the code in the prologue
-    rb = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
-    rd = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    pid_b, pid_d = grouped_tile(tl.program_id(0), tl.cdiv(B, BLOCK_B), tl.cdiv(D, BLOCK_D), GROUP_M)
+    rb = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)
+    rd = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     rk = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_B, BLOCK_D), dtype=ACC)
     for k0 in range(0, M, BLOCK_K):
@@ -91,16 +99,18 @@ def _soft_threshold_bwd_x_kernel(g_ptr, code_ptr, w_ptr, gx_ptr, B, M, D,
     tl.store(gx_ptr + rb[:, None] * D + rd[None, :], acc.to(gx_ptr.dtype.element_ty), mask=omask)
 
 
-@triton.autotune(configs=autotune_configs(("BLOCK_M", "BLOCK_D", "BLOCK_K"), GEMM_TILES, (16, 16, 16)),
+@triton.autotune(configs=autotune_configs(("BLOCK_M", "BLOCK_D", "BLOCK_K", "GROUP_M"), GEMM_TILES,
+                                          INTERPRETER_GEMM_TILE),
                  key=["B", "M", "D", "NEED_W", "NEED_B", "PRECISION"])
 @triton.jit
 def _soft_threshold_bwd_w_kernel(g_ptr, code_ptr, x_ptr, gw_ptr, gb_ptr, B, M, D,
                                  NEED_W: tl.constexpr, NEED_B: tl.constexpr, PRECISION: tl.constexpr,
-                                 ACC: tl.constexpr,
-                                 BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr):
+                                 ACC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+                                 BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     # grad_w[M, D] = (g * slope)^T[M, B] @ x[B, D]; grad_b[M] = sum_B g * dbias (first D tile only)
-    pid_d = tl.program_id(1)
-    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    n_d = tl.cdiv(D, BLOCK_D) if NEED_W else 1
+    pid_m, pid_d = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), n_d, GROUP_M)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rd = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     rk = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=ACC)
@@ -134,7 +144,7 @@ def _soft_threshold_fwd_triton(x, w, bias, precision):
     M = w.shape[0]
     h = kb.new_output((B, M), x)
     code = kb.new_output((B, M), x, torch.uint8)
-    _soft_threshold_fwd_kernel[tile_grid((B, "BLOCK_B"), (M, "BLOCK_M"))](
+    _soft_threshold_fwd_kernel[grouped_grid((B, "BLOCK_B"), (M, "BLOCK_M"))](
         x, w, bias, h, code, B, M, D, PRECISION=precision, ACC=acc_dtype(x))
     return h, code
 
@@ -148,11 +158,11 @@ def _soft_threshold_bwd_triton(grad_h, x, w, code, need, precision):
     gw = kb.new_output((M, D), w) if need_w else None
     gb = kb.new_output((M,), w) if need_b else None
     if need_x:
-        _soft_threshold_bwd_x_kernel[tile_grid((B, "BLOCK_B"), (D, "BLOCK_D"))](
+        _soft_threshold_bwd_x_kernel[grouped_grid((B, "BLOCK_B"), (D, "BLOCK_D"))](
             grad_h, code, w, gx, B, M, D, PRECISION=precision, ACC=acc_dtype(x))
     if need_w or need_b:
         # w stands in for the output not asked for: the kernel never touches it
-        _soft_threshold_bwd_w_kernel[tile_grid((M, "BLOCK_M"), (D, "BLOCK_D") if need_w else 1)](
+        _soft_threshold_bwd_w_kernel[grouped_grid((M, "BLOCK_M"), (D, "BLOCK_D") if need_w else 1)](
             grad_h, code, x, w if gw is None else gw, w if gb is None else gb, B, M, D,
             NEED_W=bool(need_w), NEED_B=bool(need_b), PRECISION=precision, ACC=acc_dtype(x))
     return gx, gw, gb
@@ -215,7 +225,7 @@ def symmetric_relu(u: torch.Tensor, bias: torch.Tensor | float) -> torch.Tensor:
 
 
 def soft_threshold_layer(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *,
-                         backend: str = "auto", allow_tf32: bool = False) -> torch.Tensor:
+                         backend: str = "auto", input_precision: str = "auto") -> torch.Tensor:
     """Soft-threshold layer ``ReLU(x W^T - b) - ReLU(-x W^T - b)``, differentiable in x, W and b.
 
     Args:
@@ -223,13 +233,15 @@ def soft_threshold_layer(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | 
             i.e. the linear map ``x W^T``). All float32 or all float64 (``KernelInputError`` otherwise,
             see ``featlearn.kernels.backend``); computed in that dtype.
         backend: ``"auto"`` (Triton on CUDA, PyTorch otherwise), ``"torch"`` or ``"triton"``.
-        allow_tf32: TF32 GEMMs in the Triton path for float32 inputs (default off: stage-I signals are
-            ~1e-2 relative); no effect on float64 (there is no float64 TF32).
+        input_precision: the Triton GEMMs' ``tl.dot`` precision: ``"auto"`` (TF32 for float32, IEEE for
+            float64), ``"tf32"`` or ``"ieee"`` (exact float32 products; what seed-001 stage-I runs want,
+            their signals being ~1e-2 relative). Float64 is always IEEE; the PyTorch fallback ignores it
+            (see ``featlearn.kernels.backend.resolve_precision``).
 
     Returns ``[B, m]`` activations in ``x.dtype``.
     """
     check_backend(backend, "backend")
-    check_float_inputs("soft_threshold_layer", x=x, w=w, bias=bias)
+    precision = resolve_precision(input_precision, check_float_inputs("soft_threshold_layer", x=x, w=w, bias=bias))
     if x.dim() != 2:
         raise ConfigError("x", "a 2-D tensor [B, d1]", tuple(x.shape))
     if w.dim() != 2 or w.shape[1] != x.shape[1]:
@@ -241,7 +253,6 @@ def soft_threshold_layer(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | 
     which = resolve_backend(backend, x, w, bias)
     if which == "triton":
         x, w, bias = contiguous(x, w, bias)
-    precision = "tf32" if allow_tf32 and x.dtype == torch.float32 else "ieee"
     return SoftThresholdFunction.apply(x, w, bias, which, precision)
 
 

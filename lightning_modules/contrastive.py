@@ -67,7 +67,8 @@ class ContrastiveModule(FeatureLearningModule):
             stays 0; a fixed step puts runs with and without augmentation on the same bias clock.
         clamp_bias_nonneg: clamp a learned bias at 0 after each step.
         loss_chunk_size: negatives per block in the streamed loss (``None``: all at once).
-        backend: soft-threshold layer backend (``auto``/``torch``/``triton``). allow_tf32: TF32 GEMMs in Triton.
+        backend: soft-threshold layer backend (``auto``/``torch``/``triton``). input_precision: the Triton GEMMs'
+            operand precision (``ieee`` default: stage-I signals are ~1e-2 relative; ``tf32``/``auto`` for speed).
         probe_ridge: relative ridge of the regression probes. probe_max_samples: cap on probe samples.
         seed: seed of the weight initialisation (independent of the data seed).
     """
@@ -92,7 +93,7 @@ class ContrastiveModule(FeatureLearningModule):
         clamp_bias_nonneg: bool = False,
         loss_chunk_size: PositiveInt | None = None,
         backend: Literal["auto", "torch", "triton"] = "auto",
-        allow_tf32: bool = False,
+        input_precision: Literal["auto", "tf32", "ieee"] = "ieee",
         probe_ridge: NonNegativeFloat = 1e-4,
         probe_max_samples: int_at_least(2) = 8000,  # the probes standardise features over their samples
         seed: int = 0,
@@ -147,7 +148,7 @@ class ContrastiveModule(FeatureLearningModule):
         """Representation ``f(x) [.., m]`` of inputs ``[.., d1]``."""
         shape = x.shape[:-1]
         h = soft_threshold_layer(x.reshape(-1, self.d1), self.w, self.bias, backend=self.hp.backend,
-                                 allow_tf32=self.hp.allow_tf32)
+                                 input_precision=self.hp.input_precision)
         return h.reshape(*shape, self.m)
 
     def contrastive_loss(self, batch: dict) -> tuple[torch.Tensor, dict]:

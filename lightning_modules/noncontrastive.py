@@ -52,7 +52,8 @@ def encode(x: torch.Tensor, w: torch.Tensor, mask: torch.Tensor | None = None,
         >>> encode(torch.ones(1, 2, 3), torch.ones(1, 3)).tolist()
         [[54.0]]
     """
-    return patch_activation_sum(x, w, CUBIC, mask=mask, backend=backend).student
+    # IEEE dots: feature correlations start at ~1/sqrt(d) (docs/performance.md)
+    return patch_activation_sum(x, w, CUBIC, mask=mask, backend=backend, input_precision="ieee").student
 
 
 def noncontrastive_loss(f_online: torch.Tensor, g_target: torch.Tensor, head: torch.Tensor,

@@ -46,6 +46,23 @@ def test_derivative_matches_autograd_float64(act):
     torch.testing.assert_close(act.derivative(z.detach()), auto, rtol=1e-12, atol=1e-14)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("act", ALL, ids=_ids)
+def test_value_and_derivative_match_the_separate_forms(act, dtype):
+    # the fallbacks' shared-work form: same values to rounding, input untouched
+    g = torch.Generator().manual_seed(12)
+    z = (torch.randn(3001, generator=g, dtype=torch.float64) * 2 * act.rho).to(dtype)
+    before = z.clone()
+    value, slope = act.value_and_derivative(z)
+    assert torch.equal(z, before)
+    tol = {torch.float32: 1e-6, torch.float64: 1e-14}[dtype]
+    torch.testing.assert_close(value, act(z), rtol=tol, atol=tol * act(z).abs().max().item())
+    torch.testing.assert_close(slope, act.derivative(z), rtol=tol, atol=tol)
+    alone, none = act.value_and_derivative(z, slope=False)
+    assert none is None and torch.equal(z, before)
+    torch.testing.assert_close(alone, act(z), rtol=tol, atol=tol * act(z).abs().max().item())
+
+
 @pytest.mark.parametrize("q,rho", [(2, 0.3), (3, 0.25), (4, 1.0), (7, 0.05)])
 def test_srelu_continuity_at_rho_and_zero(q, rho):
     eps = 1e-9

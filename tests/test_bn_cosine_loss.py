@@ -82,6 +82,20 @@ def test_forward_backward_vs_reference(backend, out_norm, dtype, eps, poisoned):
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("out_norm", ["bn", "l2"])
+def test_grad_output_scales_both_gradients(backend, out_norm, poisoned):
+    # grad_output is folded in on the device (in the kernels for Triton): a weight on the loss, e.g. DDP's
+    # world-size factor, must scale dp and dz exactly
+    p, z = _pair(23, 5, torch.float64)
+    pr, zr = p.clone().requires_grad_(), z.clone().requires_grad_()
+    gp_ref, gz_ref = torch.autograd.grad(-2.5 * bn_cosine_loss_reference(pr, zr, out_norm, 0.1), (pr, zr))
+    pk, zk = p.clone().requires_grad_(), z.clone().requires_grad_()
+    gp, gz = torch.autograd.grad(-2.5 * bn_cosine_loss(pk, zk, out_norm=out_norm, eps=0.1, backend=backend), (pk, zk))
+    torch.testing.assert_close(gp, gp_ref, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(gz, gz_ref, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_large_offset_is_cancellation_free(backend):
     # mean 1e4, spread 1: E[F^2] - mu^2 in float32 would lose every digit; Chan merging must not
     p, z = _pair(203, 3, torch.float64, offset=1e4)

@@ -12,7 +12,7 @@ MODULES = ["featlearn.experiments.common", "featlearn.experiments.mrp", "featlea
            "featlearn.datamodules.sparse_coding", "featlearn.experiments.contrastive",
            "featlearn.theory.noncontrastive", "featlearn.datamodules.two_feature_patches", "featlearn.theory.mrp",
            "featlearn.metrics", "featlearn.metrics.figures", "featlearn.lightning_modules.base",
-           "featlearn.kernels.backend", "featlearn.kernels.infonce", "featlearn.kernels.soft_threshold",
+           "featlearn.kernels.backend", "featlearn.kernels.activations", "featlearn.kernels.infonce", "featlearn.kernels.soft_threshold",
            "featlearn.kernels.patch_activation_sum", "featlearn.kernels.bn_cosine_loss"]
 
 

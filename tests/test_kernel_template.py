@@ -6,10 +6,13 @@ import re
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from triton.runtime.autotuner import Autotuner
 from triton.runtime.jit import KernelInterface
 
 import featlearn.kernels
+from featlearn.kernels.backend import grouped_grid, grouped_tile
 
 # op module -> (public function, autograd.Function, Triton name prefix or None for a PyTorch-only op)
 OPS = {
@@ -110,3 +113,39 @@ def test_shared_helpers_only(name):
     src = inspect.getsource(_module(name))
     for ad_hoc in (".contiguous()", "interpreting()", "def _block", "num_warps="):
         assert ad_hoc not in src, f"{name}: {ad_hoc!r} belongs in featlearn.kernels.backend"
+
+
+@pytest.mark.parametrize("name", [n for n, (_, _, prefix) in OPS.items() if prefix])
+def test_gemms_take_input_precision_and_grouped_order(name):
+    """Every ``tl.dot`` takes the op's ``input_precision`` (no hard-coded precision); every kernel tuned
+    over a GROUP_M maps its program id through ``backend.grouped_tile``."""
+    mod = _module(name)
+    src = inspect.getsource(mod)
+    dots = src.count("tl.dot(")
+    assert src.count("input_precision=PRECISION)") == dots
+    if dots:
+        params = inspect.signature(getattr(mod, OPS[name][0])).parameters
+        assert params["input_precision"].default == "auto"
+    for kname, kernel in _own(mod, Autotuner):
+        grouped = "GROUP_M" in kernel.configs[0].kwargs
+        assert grouped == ("grouped_tile(" in inspect.getsource(_python_fn(kernel))), kname
+
+
+@triton.jit
+def _tile_map_kernel(out_ptr, n_rows, n_cols, GROUP: tl.constexpr):
+    pid = tl.program_id(0)
+    row, col = grouped_tile(pid, n_rows, n_cols, GROUP)
+    tl.store(out_ptr + 2 * pid, row)
+    tl.store(out_ptr + 2 * pid + 1, col)
+
+
+@pytest.mark.parametrize("n_rows,n_cols,group", [(1, 1, 1), (5, 3, 2), (7, 4, 8), (9, 1, 4), (6, 5, 3), (3, 7, 1)])
+def test_grouped_tile_is_a_bijection_in_group_order(n_rows, n_cols, group):
+    out = torch.full((n_rows * n_cols, 2), -1, dtype=torch.int32)
+    _tile_map_kernel[grouped_grid((n_rows, "B"), (n_cols, "B"))({"B": 1})](out, n_rows, n_cols, GROUP=group)
+    tiles = [tuple(t) for t in out.tolist()]
+    assert sorted(tiles) == [(r, c) for r in range(n_rows) for c in range(n_cols)]  # every tile once
+    # programs in order visit whole groups of `group` row tiles, each group sweeping all columns
+    assert [r // group for r, _ in tiles] == sorted(r // group for r, _ in tiles)
+    first = tiles[: min(group, n_rows)]
+    assert first == [(r, 0) for r in range(min(group, n_rows))]

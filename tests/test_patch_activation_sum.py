@@ -23,6 +23,10 @@ SHAPES = [(5, 7, 37, 19), (3, 4, 17, 11), (1, 1, 1, 1), (4, 3, 20, 17), (2, 5, 3
 # over the ~3e-7 seen, while any indexing/masking bug gives O(1) errors. float64 sees ~3e-16; 1e-12
 # would catch a single float32 step (~1e-7).
 TOL = {torch.float32: 3e-5, torch.float64: 1e-12}
+# TF32 products (10 mantissa bits, ~5e-4 per operand, times q through the activation): 1e-2 of the scale
+TF32_TOL = 1e-2
+# save_preactivation_bytes: never save A (the backward recomputes it) / the default (these sizes fit)
+RECOMPUTE, SAVE = 0, pas.SAVE_PREACTIVATION_BYTES
 DTYPES = [torch.float32, torch.float64]
 
 
@@ -62,19 +66,21 @@ def _check(out, ref, tol, what):
     return err
 
 
-def _compare(backend, act, shape, dtype, mask_kind, ts, squares, seed, loss="both", chunk=None):
+def _compare(backend, act, shape, dtype, mask_kind, ts, squares, seed, loss="both", chunk=None, save=SAVE,
+             precision="ieee", tol=None):
+    """Forward and gradients against the float64 reference; IEEE products unless ``precision`` says."""
     x, w, mask = _inputs(seed, shape, dtype, mask_kind)
     x.requires_grad_(True)
     w.requires_grad_(True)
-    kw = {} if chunk is None else {"chunk_elements": chunk}
-    out = patch_activation_sum(x, w, act, mask=mask, teacher_scale=ts, squares=squares, backend=backend, **kw)
+    out = patch_activation_sum(x, w, act, mask=mask, teacher_scale=ts, squares=squares, backend=backend,
+                               chunk_elements=chunk, save_preactivation_bytes=save, input_precision=precision)
     assert isinstance(out, PatchSums)
     x64 = x.detach().double().requires_grad_(True)
     w64 = w.detach().double().requires_grad_(True)
     m64 = mask.double() if mask is not None and mask.dtype.is_floating_point else mask
     ref = patch_activation_sum_reference(x64, w64, act, mask=m64, teacher_scale=ts, squares=squares)
     B, R = shape[0], shape[3]
-    tol = TOL[dtype]
+    tol = TOL[dtype] if tol is None else tol
     assert out.student.shape == (B, R) and out.student.dtype == dtype
     _check(out.student, ref.student, tol, "student")
     assert (out.teacher is None) == (ts is None) and (out.squares is None) == (not squares)
@@ -108,23 +114,54 @@ def test_matches_float64_reference(poisoned, backend, act, opt, dtype):
     mask_kind, ts, squares = OPTIONS[opt]
     case = ACTS.index(act) * len(OPTIONS) + opt
     shape = SHAPES[(case + DTYPES.index(dtype)) % len(SHAPES)]
-    _compare(backend, act, shape, dtype, mask_kind, ts, squares, seed=1000 + 100 * DTYPES.index(dtype) + case)
+    save = (SAVE, RECOMPUTE)[(case + DTYPES.index(dtype)) % 2]  # both backward paths over the cases
+    _compare(backend, act, shape, dtype, mask_kind, ts, squares, seed=1000 + 100 * DTYPES.index(dtype) + case,
+             save=save)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("loss", ["student", "squares"])
-def test_gradient_of_one_output_only(poisoned, backend, loss, dtype):
+@pytest.mark.parametrize("save", [SAVE, RECOMPUTE])
+def test_gradient_of_one_output_only(poisoned, backend, loss, dtype, save):
     # backward with only one of the two incoming gradients defined (the other is None)
-    _compare(backend, ACTS[0], (4, 5, 19, 13), dtype, "bool", 1.5, True, seed=31, loss=loss)
+    _compare(backend, ACTS[0], (4, 5, 19, 13), dtype, "bool", 1.5, True, seed=31, loss=loss, save=save)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("chunk", [1, 2 * 7 * 19 + 5])
-def test_chunked_path_matches(poisoned, backend, chunk, dtype):
-    # chunk=1: one sample per chunk; the other: 2 samples per chunk with a partial last chunk (B=5)
-    _compare(backend, ACTS[0], (5, 7, 37, 19), dtype, "float", 1.5, True, seed=55, chunk=chunk)
+@pytest.mark.parametrize("save", [SAVE, RECOMPUTE])
+def test_chunked_path_matches(poisoned, backend, chunk, dtype, save):
+    # chunk=1: one sample per chunk; the other: 2 samples per chunk with a partial last chunk (B=5);
+    # with A saved, each chunk reads its rows of the saved A
+    _compare(backend, ACTS[0], (5, 7, 37, 19), dtype, "float", 1.5, True, seed=55, chunk=chunk, save=save)
+
+
+@pytest.mark.parametrize("precision", ["tf32", "auto"])
+@pytest.mark.parametrize("save", [SAVE, RECOMPUTE])
+def test_float32_tf32_within_tf32_tolerance(poisoned, precision, save):
+    # the float32 default ("auto" = TF32). The interpreter multiplies in full float32, so here this checks
+    # that the TF32 variants compile, launch and write every cell; on a GPU it bounds the TF32 rounding
+    _compare("triton", ACTS[0], (6, 5, 40, 21), torch.float32, "bool", 1.5, True, seed=61, save=save,
+             precision=precision, tol=TF32_TOL)
+
+
+@pytest.mark.parametrize("precision", ["tf32", "auto"])
+def test_float64_ignores_tf32(poisoned, precision):
+    # no float64 TF32: asking for it keeps float64 runs at float64 rounding
+    _compare("triton", ACTS[3], (4, 3, 21, 17), torch.float64, "float", 0.7, True, seed=62, precision=precision)
+
+
+def test_chunk_size_follows_dw_size():
+    # default chunks: DW_REUSE * R * d elements of dA, clamped to [MIN_CHUNK_ELEMENTS, the save budget]
+    P, itemsize = 32, 4
+    assert pas._rows_per_chunk(P, 30, 256, itemsize, None, SAVE) == pas.MIN_CHUNK_ELEMENTS // (P * 30)
+    R, d = 11264, 2048  # spec 000 "large": 16 R d elements would be 1.5 GB, over the 1 GiB budget
+    assert pas._rows_per_chunk(P, R, d, itemsize, None, SAVE) == SAVE // itemsize // (P * R)
+    R, d = 2048, 2048
+    assert pas._rows_per_chunk(P, R, d, itemsize, None, SAVE) == pas.DW_REUSE * R * d // (P * R)
+    assert pas._rows_per_chunk(P, R, d, itemsize, 5, SAVE) == 1  # an explicit bound wins
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -169,18 +206,27 @@ def test_mask_equals_zeroed_patches(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_no_patch_sized_tensor_saved_for_backward(backend):
+def test_saves_a_only_within_budget_and_when_a_gradient_is_wanted(backend):
     B, P, d, R = 5, 7, 11, 13
     x, w, mask = _inputs(9, (B, P, d, R), torch.float32, "float")
-    x.requires_grad_(True)
-    w.requires_grad_(True)
+    a_bytes = B * P * R * 4
+
+    def saved_sizes(budget, grad):
+        saved = []
+        xg, wg = x.clone().requires_grad_(grad), w.clone().requires_grad_(grad)
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+            patch_activation_sum(xg, wg, ACTS[0], mask=mask, teacher_scale=1.5, squares=True, backend=backend,
+                                 save_preactivation_bytes=budget)
+        return saved
+
+    for budget in (RECOMPUTE, a_bytes - 1):
+        saved = saved_sizes(budget, True)
+        assert saved and all(n < B * P * R for n in saved), saved  # only x, w, mask
+    assert sorted(saved_sizes(a_bytes, True))[-1] == B * P * R  # A, once
+    assert saved_sizes(a_bytes, False) == []  # no gradient wanted: nothing saved
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
-        patch_activation_sum(x, w, ACTS[0], mask=mask, teacher_scale=1.5, squares=True, backend=backend)
-    assert saved and all(n < B * P * R for n in saved), saved  # only x, w, mask
-    saved.clear()
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
-        patch_activation_sum_reference(x, w, ACTS[0], mask=mask, squares=True)
+        patch_activation_sum_reference(x.requires_grad_(), w.requires_grad_(), ACTS[0], mask=mask, squares=True)
     assert sum(n >= B * P * R for n in saved) >= 3  # the check above would catch an unfused version
 
 
@@ -231,6 +277,9 @@ def _bad_cases():
     yield "squares", dict(x=x, w=w, squares=1), "a bool"
     yield "backend", dict(x=x, w=w, backend="cuda"), "one of ('auto', 'torch', 'triton')"
     yield "chunk_elements", dict(x=x, w=w, chunk_elements=0), ">= 1"
+    yield "save_preactivation_bytes", dict(x=x, w=w, save_preactivation_bytes=-1), "an integer >= 0"
+    yield "save_preactivation_bytes", dict(x=x, w=w, save_preactivation_bytes=None), "an integer >= 0"
+    yield "input_precision", dict(x=x, w=w, input_precision="fp32"), "one of ('auto', 'tf32', 'ieee')"
     del act
 
 
@@ -279,3 +328,20 @@ def test_bool_mask_is_accepted_with_either_dtype(dtype):
     ref = patch_activation_sum_reference(x, w, ACTS[2], mask=mask)
     assert out.student.dtype == dtype
     torch.testing.assert_close(out.student, ref.student)
+
+
+@pytest.mark.parametrize("precision,tf32", [("tf32", True), ("ieee", False), ("auto", True)])
+def test_triton_backward_gemms_follow_input_precision(monkeypatch, precision, tf32):
+    # dW goes to cuBLAS on a GPU: the op's precision must reach it, and the global flag come back
+    seen, real_mm = [], torch.mm
+
+    def mm(*args, **kwargs):
+        seen.append(torch.backends.cuda.matmul.allow_tf32)
+        return real_mm(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "mm", mm)
+    before = torch.backends.cuda.matmul.allow_tf32
+    x, w, _ = _inputs(3, (3, 4, 17, 5), torch.float32, None)
+    w.requires_grad_(True)
+    patch_activation_sum(x, w, ACTS[0], backend="triton", input_precision=precision).student.sum().backward()
+    assert seen == [tf32] and torch.backends.cuda.matmul.allow_tf32 == before

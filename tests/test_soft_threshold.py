@@ -16,6 +16,9 @@ SHAPES = [(7, 19, 13), (33, 50, 17), (5, 3, 40), (1, 1, 1), (17, 64, 33)]
 # of the scale. fp32 (eps 6e-8): 2e-5 leaves > 10x margin over what we see; fp64 (eps 1e-16): 1e-12
 # catches a float32 accumulator (~1e-7) by five orders. An indexing bug gives O(1) errors.
 TOL = {torch.float32: 2e-5, torch.float64: 1e-12}
+# TF32 keeps 10 mantissa bits (rounding 2^-11 ~ 5e-4 per operand): a d1-term product sum lands near 1e-3
+# of the scale; 1e-2 is the budget a float32 run may spend (the feature-learning signals are ~1e-2)
+TF32_TOL = 1e-2
 DTYPES = [torch.float32, torch.float64]
 
 
@@ -50,14 +53,15 @@ def poisoned(monkeypatch):
     monkeypatch.setattr(backend, "new_output", new_output)
 
 
-def _compare(backend, dtype, x, w, b, grad, need=(True, True, True), **kw):
-    """Run the op in ``dtype`` and the reference in float64 on the same rounded inputs; relative errors."""
+def _compare(backend, dtype, x, w, b, grad, need=(True, True, True), input_precision="ieee"):
+    """Run the op in ``dtype`` and the reference in float64 on the same rounded inputs; relative errors.
+    IEEE products by default: the float32 tolerance is tighter than TF32 rounding."""
     ins = [t.to(dtype).requires_grad_(r) for t, r in zip((x, w, b), need)]
     ref_in = [t.detach().double().requires_grad_(r) for t, r in zip(ins, need)]
     grad = grad.to(dtype)
     ref = st.soft_threshold_reference(*ref_in)
     ref.backward(grad.double())
-    out = st.soft_threshold_layer(*ins, backend=backend, **kw)
+    out = st.soft_threshold_layer(*ins, backend=backend, input_precision=input_precision)
     out.backward(grad)
     assert out.dtype == dtype and out.shape == ref.shape
     errs = [_rel(out, ref.detach())]
@@ -86,10 +90,25 @@ def test_triton_partial_gradients(poisoned, need, dtype):
     assert max(_compare("triton", dtype, x, w, b, grad, need)) < TOL[dtype]
 
 
-def test_float64_ignores_allow_tf32(poisoned):
-    # there is no fp64 TF32: the flag must not lower a float64 run's precision (nor fail to compile)
+@pytest.mark.parametrize("precision", ["tf32", "auto"])
+def test_float64_ignores_tf32(poisoned, precision):
+    # there is no fp64 TF32: asking for it must not lower a float64 run's precision (nor fail to compile)
     x, w, b, grad = _inputs(21, (13, 37, 19), "mixed")
-    assert max(_compare("triton", torch.float64, x, w, b, grad, allow_tf32=True)) < TOL[torch.float64]
+    assert max(_compare("triton", torch.float64, x, w, b, grad, input_precision=precision)) < TOL[torch.float64]
+
+
+@pytest.mark.parametrize("precision", ["tf32", "auto"])
+def test_float32_tf32_within_tf32_tolerance(poisoned, precision):
+    # the default for float32 ("auto" = TF32). The interpreter multiplies in full float32, so here this
+    # checks that the TF32 variants compile, launch and write every cell; on a GPU it bounds TF32 rounding
+    x, w, b, grad = _inputs(22, (33, 50, 17), "pos")
+    assert max(_compare("triton", torch.float32, x, w, b, grad, input_precision=precision)) < TF32_TOL
+
+
+def test_bad_input_precision_is_refused():
+    x, w = torch.randn(3, 5), torch.randn(4, 5)
+    with pytest.raises(ConfigError, match="^input_precision: must be one of"):
+        st.soft_threshold_layer(x, w, input_precision="tf32x3")
 
 
 def test_soft_threshold_identity():

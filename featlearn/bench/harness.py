@@ -1,0 +1,308 @@
+"""The benchmark harness shared by ``featlearn bench op`` and ``featlearn bench step``.
+
+A :class:`Case` is a set of named :class:`Variant` callables computing the same function (outputs and the
+gradients training needs), a float64 reference and a tolerance per dtype. :func:`check` runs every
+variant on fresh random inputs against the reference first; a variant off by more than its tolerance (or
+producing NaN) is FAILED and never timed. :func:`interleave` then times the variants round-robin (one call
+of each per round, after warm-up rounds that also absorb ``torch.compile`` and Triton autotuning), so a
+machine that slows down mid-run slows every variant alike.
+
+Timing: on CPU ``time.perf_counter`` around each call; on CUDA ``triton.testing.do_bench`` (events, median
+of its own repeats) per call of a pure function, CUDA events around a call with side effects (a training
+step). Peak memory: on CUDA ``torch.cuda.max_memory_allocated`` reset before each call, less what was
+allocated before it; on CPU the kernel's peak resident set (``VmHWM``), reset through
+``/proc/self/clear_refs`` before each call, less the resident set before it (Linux; n/a elsewhere), with
+glibc told to return freed tensors to the system so that the resident set follows live tensors (on
+another C library peaks may read low). Both are the largest over a variant's timed calls.
+"""
+from __future__ import annotations
+
+import csv
+import ctypes
+import functools
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from featlearn.metrics.figures import bars_figure, save_png
+
+TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-10}
+"""Relative error ``||out - ref|| / ||ref||`` allowed per output: float32 admits TF32 GEMMs (~3e-4)."""
+
+EAGER, COMPILED = "eager", "compiled"
+"""The variant names every ratio is taken against (the baseline a user writes, and its torch.compile)."""
+
+
+@dataclass
+class Variant:
+    name: str
+    run: Callable[[dict], Sequence[torch.Tensor]]
+    """inputs -> outputs (the forward results, then the gradients training needs)."""
+
+
+@dataclass
+class Case:
+    name: str
+    shape: str
+    """The sizes, as printed in the table."""
+    variants: list[Variant]
+    inputs: Callable[[torch.dtype, torch.device, int], dict]
+    """(dtype, device, seed) -> fresh random inputs."""
+    reference: Callable[[dict], Sequence[torch.Tensor]]
+    """float64 inputs -> float64 outputs in the variants' order."""
+    dtype: torch.dtype = torch.float32
+    """The dtype the variants are checked and timed in."""
+    timer: Callable | None = None
+    """Optional driver replacing :func:`interleave` (a training step timed inside the Trainer's loop)."""
+
+
+@dataclass
+class Result:
+    case: str
+    shape: str
+    variant: str
+    error: float
+    passed: bool
+    seconds: list[float] = field(default_factory=list)
+    peak_bytes: int | None = None
+    note: str = ""
+
+    @property
+    def median_ms(self) -> float:
+        return 1e3 * statistics.median(self.seconds) if self.seconds else float("nan")
+
+    @property
+    def iqr_ms(self) -> float:
+        if len(self.seconds) < 2:
+            return float("nan")
+        q = statistics.quantiles(self.seconds, n=4, method="inclusive")
+        return 1e3 * (q[2] - q[0])
+
+    @property
+    def mean_ms(self) -> float:
+        return 1e3 * statistics.fmean(self.seconds) if self.seconds else float("nan")
+
+
+def relative_error(outputs: Sequence[torch.Tensor], reference: Sequence[torch.Tensor]) -> float:
+    """Largest ``||out - ref|| / ||ref||`` over the outputs (inf on a missing output, a shape mismatch or NaN)."""
+    if len(outputs) != len(reference):
+        return float("inf")
+    worst = 0.0
+    for out, ref in zip(outputs, reference):
+        out, ref = out.detach().to("cpu", torch.float64), ref.detach().to("cpu", torch.float64)
+        if out.shape != ref.shape:
+            return float("inf")
+        err = float((out - ref).norm() / ref.norm().clamp_min(1e-300))
+        if err != err:
+            return float("inf")
+        worst = max(worst, err)
+    return worst
+
+
+def check(case: Case, device: torch.device, seed: int) -> list[Result]:
+    """Every variant on fresh random inputs (one draw per variant) against the float64 reference."""
+    results = []
+    for i, variant in enumerate(case.variants):
+        inputs = case.inputs(case.dtype, device, seed + 1000 + i)
+        try:
+            error = relative_error(variant.run(inputs), case.reference(to_float64(inputs)))
+            note = ""
+        except Exception as err:  # noqa: BLE001 - a variant that cannot run is reported, not fatal
+            error, note = float("inf"), f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"
+        passed = error <= TOLERANCE[case.dtype]
+        results.append(Result(case.name, case.shape, variant.name, error, passed,
+                              note=note or ("" if passed else f"error {error:.1e} > {TOLERANCE[case.dtype]:.0e}")))
+    return results
+
+
+def to_float64(inputs: dict) -> dict:
+    """A float64 copy of every floating tensor (leaf-ness and ``requires_grad`` kept); other values as is."""
+    def up(v):
+        if isinstance(v, torch.Tensor) and v.is_floating_point():
+            return v.detach().to(torch.float64, copy=True).requires_grad_(v.requires_grad)
+        if isinstance(v, dict):
+            return {k: up(x) for k, x in v.items()}
+        return v
+    return up(inputs)
+
+
+class Meter:
+    """Seconds and peak memory of one call: ``with Meter(device, events) as m: ...`` -> ``m.seconds``,
+    ``m.peak_bytes`` (None where the platform gives no peak)."""
+
+    def __init__(self, device: torch.device, events: bool = True):
+        self.cuda = device.type == "cuda"
+        self.events = events and self.cuda
+
+    def __enter__(self) -> "Meter":
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.base = torch.cuda.memory_allocated()
+        else:
+            self.base = _reset_rss_peak()
+        if self.events:
+            self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.start.record()
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.events:
+            self.end.record()
+        if self.cuda:
+            torch.cuda.synchronize()
+        self.seconds = time.perf_counter() - self.t0
+        if self.events:
+            self.seconds = 1e-3 * self.start.elapsed_time(self.end)
+        if self.cuda:
+            self.peak_bytes = torch.cuda.max_memory_allocated() - self.base
+        else:
+            peak = _rss_peak()
+            self.peak_bytes = None if peak is None or self.base is None else max(0, peak - self.base)
+
+
+def _proc_status_kib(key: str) -> int | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return 1024 * int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+@functools.cache
+def _release_freed_tensors() -> None:
+    """Make freed tensor memory leave the resident set, so that RSS follows live tensors. glibc serves
+    large blocks by mmap and returns them on free, but raises its mmap threshold (up to 32 MB) after the
+    first such free; from then on tensors come from the heap, stay resident when freed, and a repeated
+    call shows no RSS growth at all. A fixed threshold keeps every tensor over 64 KB on mmap."""
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 16)  # -3 = M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass  # not glibc: peaks may read low, as the module docstring says
+
+
+def _reset_rss_peak() -> int | None:
+    """Reset the kernel's peak-RSS counter (Linux >= 4.0) and return the current RSS (None: unsupported)."""
+    _release_freed_tensors()
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return None
+    return _proc_status_kib("VmRSS")
+
+
+def _rss_peak() -> int | None:
+    return _proc_status_kib("VmHWM")
+
+
+def measure(result: Result, fn: Callable[[], object], device: torch.device) -> None:
+    """Time one call of ``fn`` into ``result``. A pure function on CUDA goes through
+    ``triton.testing.do_bench`` (median of its own event-timed repeats)."""
+    if device.type == "cuda":
+        import triton.testing
+
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        result.seconds.append(1e-3 * triton.testing.do_bench(fn, warmup=5, rep=20, return_mode="median"))
+        peak = torch.cuda.max_memory_allocated() - base
+    else:
+        with Meter(device) as m:
+            fn()
+        result.seconds.append(m.seconds)
+        peak = m.peak_bytes
+    if peak is not None:
+        result.peak_bytes = max(result.peak_bytes or 0, peak)
+
+
+def interleave(case: Case, results: list[Result], device: torch.device, rounds: int, warmup: int, seed: int) -> None:
+    """Time the passed variants round-robin on one input draw: ``warmup`` untimed rounds, then ``rounds``."""
+    inputs = case.inputs(case.dtype, device, seed)
+    runs = {v.name: v.run for v in case.variants}
+    timed = [r for r in results if r.passed]
+    for _ in range(warmup):
+        for r in timed:
+            runs[r.variant](inputs)
+    for _ in range(rounds):
+        for r in timed:
+            measure(r, lambda: runs[r.variant](inputs), device)
+
+
+def run_cases(cases: list[Case], device: torch.device, rounds: int, warmup: int, seed: int,
+              progress: Callable[[str], None] = print) -> list[Result]:
+    """Check, then time, every case; FAILED variants are reported and not timed."""
+    results = []
+    for case in cases:
+        progress(f"{case.name} [{case.shape}]: checking {len(case.variants)} variants against float64")
+        checked = check(case, device, seed)
+        for r in checked:
+            if not r.passed:
+                progress(f"  FAILED {r.variant}: {r.note}")
+        progress(f"  timing {sum(r.passed for r in checked)} variants, {warmup} warm-up + {rounds} interleaved rounds")
+        (case.timer or interleave)(case, checked, device, rounds, warmup, seed)
+        results.extend(checked)
+    return results
+
+
+# ------------------------------------------------------------------------------------------------
+# report
+# ------------------------------------------------------------------------------------------------
+def ratios(results: list[Result]) -> dict[tuple[str, str, str], tuple[float, float]]:
+    """(case, shape, variant) -> (speed-up vs eager, speed-up vs compiled): baseline time over the variant's."""
+    base = {(r.case, r.shape, r.variant): r.median_ms for r in results if r.seconds}
+    out = {}
+    for r in results:
+        if r.seconds:
+            out[(r.case, r.shape, r.variant)] = tuple(base.get((r.case, r.shape, b), float("nan")) / r.median_ms
+                                                      for b in (EAGER, COMPILED))
+    return out
+
+
+def _fmt(x: float, spec: str) -> str:
+    return "-" if x != x else format(x, spec)
+
+
+def table(results: list[Result], header: str) -> str:
+    """A markdown table: median, IQR, mean, speed-ups vs eager and vs compiled, peak memory, check error."""
+    rs = ratios(results)
+    lines = [header, "",
+             "| case | shape | variant | check (rel. error) | median ms | IQR ms | mean ms | x vs eager | x vs compiled "
+             "| peak MiB |", "|---|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in results:
+        status = f"ok {r.error:.0e}" if r.passed else f"FAILED ({r.note})"
+        vs_e, vs_c = rs.get((r.case, r.shape, r.variant), (float("nan"), float("nan")))
+        peak = "n/a" if r.peak_bytes is None else f"{r.peak_bytes / 2**20:.1f}"
+        lines.append(f"| {r.case} | {r.shape} | {r.variant} | {status} | {_fmt(r.median_ms, '.3f')} | "
+                     f"{_fmt(r.iqr_ms, '.3f')} | {_fmt(r.mean_ms, '.3f')} | {_fmt(vs_e, '.2f')} | {_fmt(vs_c, '.2f')} | "
+                     f"{peak if r.seconds else '-'} |")
+    return "\n".join(lines)
+
+
+def write(results: list[Result], out: Path, stem: str, header: str) -> list[Path]:
+    """``<stem>.csv``, ``<stem>.md`` and ``<stem>.png`` (speed-up vs eager per case and variant) in ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    rs = ratios(results)
+    csv_path = out / f"{stem}.csv"
+    with csv_path.open("w", newline="") as fh:
+        writer = csv.writer(fh)
+        writer.writerow(["case", "shape", "variant", "passed", "rel_error", "median_ms", "iqr_ms", "mean_ms",
+                         "speedup_vs_eager", "speedup_vs_compiled", "peak_bytes", "repeats", "note"])
+        for r in results:
+            vs_e, vs_c = rs.get((r.case, r.shape, r.variant), (float("nan"), float("nan")))
+            writer.writerow([r.case, r.shape, r.variant, r.passed, f"{r.error:.3e}", f"{r.median_ms:.4f}",
+                             f"{r.iqr_ms:.4f}", f"{r.mean_ms:.4f}", f"{vs_e:.4f}", f"{vs_c:.4f}",
+                             "" if r.peak_bytes is None else r.peak_bytes, len(r.seconds), r.note])
+    md_path = out / f"{stem}.md"
+    md_path.write_text(table(results, header) + "\n")
+    groups: dict[str, dict[str, float]] = {}
+    for (case, shape, variant), (vs_e, _) in rs.items():
+        groups.setdefault(variant, {})[f"{case}\n{shape}"] = vs_e
+    fig = bars_figure(groups, ylabel="speed-up vs eager (higher is faster)", title=header.lstrip("# ").split("\n")[0])
+    png_path = save_png(fig, out / f"{stem}.png")
+    return [csv_path, md_path, png_path]

@@ -1,0 +1,218 @@
+"""Op cases of ``featlearn bench op``: each fused op against the eager PyTorch a user would write (one GEMM
+plus elementwise passes), ``torch.compile`` of that eager code, the op's PyTorch backend (what
+``backend="auto"`` runs on CPU) and, on CUDA, its Triton backend. Forward plus the backward training
+needs: gradients only of what a training step differentiates (W, not the data; the online branch, not
+the stop-gradient target).
+
+Sizes: ``smoke`` (CI), ``tiny`` (the CPU sizes of the specs), ``medium`` (the specs' GPU sizes). The fused
+ops run with IEEE float32 dots, as the methods run them, so on a GPU they do the eager code's arithmetic.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from featlearn.bench.harness import COMPILED, EAGER, Case, Variant
+from featlearn.kernels import (Activation, bn_cosine_loss, bn_cosine_loss_reference, infonce_reference,
+                               infonce_stopgrad, patch_activation_sum, patch_activation_sum_reference,
+                               soft_threshold_layer, soft_threshold_reference)
+
+SIZES = ("smoke", "tiny", "medium")
+
+# patch_activation_sum: the teacher-student hot loop (spec 000 6.1): smoothed ReLU q=3 rho=0.25, masked
+# student, teacher at tau=1.5 (no grad), masked squares; keep-0.5 mask
+PATCH = {"smoke": dict(B=12, P=5, d=24, R=7), "tiny": dict(B=1000, P=16, d=256, R=30),
+         "medium": dict(B=16384, P=32, d=1024, R=512)}
+Q, RHO, TAU = 3, 0.25, 1.5
+# soft_threshold (spec 001 1.4): B rows, d1 inputs, m neurons
+SOFT = {"smoke": dict(B=16, d1=24, m=8), "tiny": dict(B=256, d1=256, m=128), "medium": dict(B=1024, d1=2048, m=1024)}
+# bn_cosine_loss (spec 004): N rows, m = 2 (the theory's width) and a wider m
+BN = {"smoke": [dict(N=64, m=2)], "tiny": [dict(N=4096, m=2), dict(N=4096, m=64)],
+      "medium": [dict(N=4096, m=2), dict(N=4096, m=1024)]}
+# infonce_stopgrad (spec 001 1.4): K anchors, N shared negatives, m features
+INFONCE = {"smoke": dict(K=16, N=24, m=8), "tiny": dict(K=256, N=256, m=128), "medium": dict(K=1024, N=4096, m=1024)}
+OPS = ("patch_activation_sum", "soft_threshold", "bn_cosine_loss", "infonce_stopgrad")
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _randn(g, *shape, dtype, device, scale=1.0):
+    return (scale * torch.randn(*shape, generator=g, dtype=torch.float64)).to(device, dtype)
+
+
+def _grads(loss: torch.Tensor, wrt: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    return torch.autograd.grad(loss, wrt)
+
+
+def _variants(eager, forward, featlearn, device: torch.device) -> list[Variant]:
+    """eager, torch.compile(eager), the op's torch backend and, on CUDA, its Triton backend."""
+    out = [Variant(EAGER, eager), Variant(COMPILED, _compiled(eager, forward)),
+           Variant("featlearn torch", functools.partial(featlearn, backend="torch"))]
+    if device.type == "cuda":
+        out.append(Variant("featlearn triton", functools.partial(featlearn, backend="triton")))
+    return out
+
+
+def _compiled(run, forward):
+    """``run`` with its ``forward`` under torch.compile (AOTAutograd compiles the backward with it)."""
+    return functools.partial(run, forward=torch.compile(forward, dynamic=False))
+
+
+# ------------------------------------------------------------------------------------------------
+def _srelu(a: torch.Tensor) -> torch.Tensor:
+    c = a.clamp(0.0, RHO)
+    return c ** Q / (Q * RHO ** (Q - 1)) + (a - RHO).clamp_min(0.0)
+
+
+def _patch_eager_forward(x, w, mask):
+    """One GEMM: A = x w^T; student, squares and the teacher (no grad) all from the same A."""
+    a = x @ w.T
+    y = _srelu(a)
+    my = mask.unsqueeze(-1) * y
+    with torch.no_grad():
+        teacher = _srelu(TAU * a).sum(1)
+    return my.sum(1), teacher, (my * y).sum(1)
+
+
+def _patch_loss_and_grad(s, t, q, w, gs, gq):
+    return s.detach(), t, q.detach(), *_grads((s * gs).sum() + (q * gq).sum(), [w])
+
+
+def patch_eager(inp, forward=_patch_eager_forward):
+    s, t, q = forward(inp["x"], inp["w"], inp["mask"])
+    return _patch_loss_and_grad(s, t, q, inp["w"], inp["gs"], inp["gq"])
+
+
+
+def patch_featlearn(inp, backend):
+    s, t, q = patch_activation_sum(inp["x"], inp["w"], Activation("srelu", q=Q, rho=RHO), mask=inp["mask"],
+                                   teacher_scale=TAU, squares=True, backend=backend, input_precision="ieee")
+    return _patch_loss_and_grad(s, t, q, inp["w"], inp["gs"], inp["gq"])
+
+
+def patch_reference(inp):
+    s, t, q = patch_activation_sum_reference(inp["x"], inp["w"], Activation("srelu", q=Q, rho=RHO),
+                                             mask=inp["mask"], teacher_scale=TAU, squares=True)
+    return _patch_loss_and_grad(s, t, q, inp["w"], inp["gs"], inp["gq"])
+
+
+def patch_case(size: str, device: torch.device) -> Case:
+    B, P, d, R = (PATCH[size][k] for k in "BPdR")
+
+    def inputs(dtype, dev, seed):
+        g = _gen(seed)
+        return {"x": _randn(g, B, P, d, dtype=dtype, device=dev),  # the data: no gradient
+                "w": _randn(g, R, d, dtype=dtype, device=dev, scale=0.5 / d ** 0.5).requires_grad_(True),
+                "mask": (torch.rand(B, P, generator=g) < 0.5).to(dev, dtype),
+                "gs": _randn(g, B, R, dtype=dtype, device=dev), "gq": _randn(g, B, R, dtype=dtype, device=dev)}
+
+    return Case("patch_activation_sum", f"B={B} P={P} d={d} R={R}",
+                _variants(patch_eager, _patch_eager_forward, patch_featlearn, device),
+                inputs, patch_reference)
+
+
+# ------------------------------------------------------------------------------------------------
+def _soft_eager_forward(x, w, b):
+    return soft_threshold_reference(x, w, b)
+
+
+def soft_eager(inp, forward=_soft_eager_forward):
+    h = forward(inp["x"], inp["w"], inp["b"])
+    return h.detach(), *_grads((h * inp["g"]).sum(), [inp["w"]])
+
+
+
+def soft_featlearn(inp, backend):
+    h = soft_threshold_layer(inp["x"], inp["w"], inp["b"], backend=backend, input_precision="ieee")
+    return h.detach(), *_grads((h * inp["g"]).sum(), [inp["w"]])
+
+
+def soft_case(size: str, device: torch.device) -> Case:
+    B, d1, m = (SOFT[size][k] for k in ("B", "d1", "m"))
+
+    def inputs(dtype, dev, seed):
+        g = _gen(seed)
+        return {"x": _randn(g, B, d1, dtype=dtype, device=dev),  # data and the scheduled bias: no gradient
+                "w": _randn(g, m, d1, dtype=dtype, device=dev, scale=d1 ** -0.5).requires_grad_(True),
+                "b": (0.3 * torch.rand(m, generator=g, dtype=torch.float64)).to(dev, dtype),
+                "g": _randn(g, B, m, dtype=dtype, device=dev)}
+
+    return Case("soft_threshold", f"B={B} d1={d1} m={m}",
+                _variants(soft_eager, _soft_eager_forward, soft_featlearn, device), inputs,
+                soft_eager)
+
+
+# ------------------------------------------------------------------------------------------------
+def _bn_eager_forward(p, z):
+    return bn_cosine_loss_reference(p, z)
+
+
+def bn_eager(inp, forward=_bn_eager_forward):
+    loss = forward(inp["p"], inp["z"])
+    return loss.detach(), *_grads(loss, [inp["p"]])
+
+
+
+def bn_featlearn(inp, backend):
+    loss = bn_cosine_loss(inp["p"], inp["z"], backend=backend)
+    return loss.detach(), *_grads(loss, [inp["p"]])
+
+
+def bn_cases(size: str, device: torch.device) -> list[Case]:
+    cases = []
+    for shape in BN[size]:
+        N, m = shape["N"], shape["m"]
+
+        def inputs(dtype, dev, seed, N=N, m=m):
+            g = _gen(seed)
+            p = _randn(g, N, m, dtype=dtype, device=dev)
+            z = 0.5 * p + _randn(g, N, m, dtype=dtype, device=dev)  # the stop-gradient target
+            return {"p": p.requires_grad_(True), "z": z}
+
+        cases.append(Case("bn_cosine_loss", f"N={N} m={m}",
+                          _variants(bn_eager, _bn_eager_forward, bn_featlearn, device), inputs,
+                          bn_eager))
+    return cases
+
+
+# ------------------------------------------------------------------------------------------------
+def _infonce_eager_forward(ha, hq, hn, tau):
+    return infonce_reference(ha, hq, hn, tau).mean()
+
+
+def infonce_eager(inp, forward=_infonce_eager_forward):
+    loss = forward(inp["ha"], inp["hq"], inp["hn"], inp["tau"])
+    return loss.detach(), *_grads(loss, [inp["ha"]])
+
+
+
+def infonce_featlearn(inp, backend):
+    """The streamed loss has one backend (PyTorch, any device): ``backend`` only names the variant."""
+    loss = infonce_stopgrad(inp["ha"], inp["hq"], inp["hn"], inp["tau"])[0].mean()
+    return loss.detach(), *_grads(loss, [inp["ha"]])
+
+
+def infonce_case(size: str, device: torch.device) -> Case:
+    K, N, m = (INFONCE[size][k] for k in "KNm")
+
+    def inputs(dtype, dev, seed):
+        g = _gen(seed)
+        s = m ** -0.5
+        return {"ha": _randn(g, K, m, dtype=dtype, device=dev, scale=s).requires_grad_(True),
+                "hq": _randn(g, K, m, dtype=dtype, device=dev, scale=s),
+                "hn": _randn(g, N, m, dtype=dtype, device=dev, scale=s), "tau": 3.5}
+
+    variants = [Variant(EAGER, infonce_eager), Variant(COMPILED, _compiled(infonce_eager, _infonce_eager_forward)),
+                Variant("featlearn torch", functools.partial(infonce_featlearn, backend="torch"))]
+    return Case("infonce_stopgrad", f"K={K} N={N} m={m}", variants, inputs, infonce_eager)
+
+
+def cases(ops: list[str], size: str, device: torch.device) -> list[Case]:
+    build = {"patch_activation_sum": lambda: [patch_case(size, device)],
+             "soft_threshold": lambda: [soft_case(size, device)],
+             "bn_cosine_loss": lambda: bn_cases(size, device),
+             "infonce_stopgrad": lambda: [infonce_case(size, device)]}
+    return [case for op in ops for case in build[op]()]

@@ -1,0 +1,80 @@
+"""``featlearn bench``: the smallest size of both commands runs end to end, every variant passes its float64
+check and the tables are written; a wrong variant is refused and never timed; bad options are refused.
+No timing is asserted (speed is what the benchmark reports, not what a test checks)."""
+import csv
+
+import pytest
+import torch
+
+from featlearn.bench import harness
+from featlearn.bench.cli import run
+from featlearn.bench.ops import patch_case
+from featlearn.cli import main
+
+
+def _rows(path):
+    with open(path) as fh:
+        return list(csv.DictReader(fh))
+
+
+def _wrong(inputs):
+    """patch_activation_sum's eager variant with the teacher at the wrong scale: off by far more than rounding."""
+    s, t, q, gw = patch_case("smoke", torch.device("cpu")).variants[0].run(inputs)
+    return s, 1.01 * t, q, gw
+
+
+def test_op_smoke_checks_times_and_writes(tmp_path):
+    wrong = patch_case("smoke", torch.device("cpu"))
+    wrong.name = "patch_activation_sum (wrong teacher)"
+    wrong.variants = [wrong.variants[0], harness.Variant("wrong", _wrong)]
+    status, results, files = run(["op", "--size", "smoke", "--op", "patch_activation_sum", "soft_threshold",
+                                  "bn_cosine_loss", "infonce_stopgrad", "--repeats", "2", "--warmup", "1",
+                                  "--device", "cpu", "--out", str(tmp_path)], extra_cases=[wrong])
+    assert status == 1  # the injected variant failed
+    assert sorted(f.name for f in files) == ["op_smoke_cpu.csv", "op_smoke_cpu.md", "op_smoke_cpu.png"]
+    assert all(f.stat().st_size > 0 for f in files)
+    bad = [r for r in results if r.variant == "wrong"]
+    assert len(bad) == 1 and not bad[0].passed and bad[0].seconds == []  # refused and not timed
+    good = [r for r in results if r.variant != "wrong"]
+    assert {r.case for r in good} == {"patch_activation_sum", "patch_activation_sum (wrong teacher)",
+                                      "soft_threshold", "bn_cosine_loss", "infonce_stopgrad"}
+    assert all(r.passed and len(r.seconds) == 2 for r in good), [(r.case, r.variant, r.note) for r in good]
+    rows = _rows(files[0])
+    assert {r["variant"] for r in rows} >= {"eager", "compiled", "featlearn torch", "wrong"}
+    assert [r["passed"] for r in rows if r["variant"] == "wrong"] == ["False"]
+    assert "FAILED" in files[1].read_text()
+
+
+def test_step_smoke_featlearn_matches_plain_loop(tmp_path):
+    status, results, files = run(["step", "--size", "smoke", "--repeats", "2", "--warmup", "1", "--device", "cpu",
+                                  "--out", str(tmp_path)])
+    assert status == 0, [(r.case, r.variant, r.note) for r in results if not r.passed]
+    assert {r.case for r in results} == {"mrp", "contrastive", "noncontrastive sample", "noncontrastive population"}
+    for r in results:  # one step from the same weights and batch, in float64: the same weights
+        assert r.passed and r.error <= 1e-10 and len(r.seconds) == 2, (r.case, r.variant, r.note)
+    assert all(f.exists() for f in files)
+    assert {r["variant"] for r in _rows(files[0])} == {"featlearn", "eager", "compiled"}
+
+
+def test_check_refuses_a_variant_that_writes_nan():
+    case = patch_case("smoke", torch.device("cpu"))
+    case.variants = [harness.Variant("nan", lambda inp: tuple(torch.full_like(o, float("nan"))
+                                                               for o in case.variants[0].run(inp)))]
+    (result,) = harness.check(case, torch.device("cpu"), seed=3)
+    assert not result.passed and result.error == float("inf")
+
+
+@pytest.mark.parametrize("argv, field", [
+    (["bench", "op", "--size", "huge"], "--size"),
+    (["bench", "op", "--op", "gemm"], "--op"),
+    (["bench", "step", "--method", "mae"], "--method"),
+    (["bench", "step", "--size", "medium"], "--size"),
+    (["bench", "op", "--repeats", "0"], "--repeats"),
+])
+def test_bad_options_are_refused_naming_the_option(argv, field, capsys, tmp_path):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv + ["--out", str(tmp_path)])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and field in err
+    assert not list(tmp_path.iterdir())  # refused before any work
