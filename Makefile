@@ -31,6 +31,10 @@ contrastive: $(STAMP)  ## seed 001: contrastive learning with vs without RandomM
 noncontrastive: $(STAMP)  ## seed 004: prediction head vs no head
 	$(PY) -m featlearn.experiments.noncontrastive
 
+bench: $(STAMP)  ## op and training-step benchmarks at the CPU sizes (benchmarks/results/bench/)
+	$(VENV)/bin/featlearn bench op --size tiny --threads 1 --repeats 30 --out benchmarks/results/bench
+	$(VENV)/bin/featlearn bench step --size tiny --threads 1 --repeats 30 --out benchmarks/results/bench
+
 tensorboard: $(STAMP)
 	$(VENV)/bin/tensorboard --logdir runs
 

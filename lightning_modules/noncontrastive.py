@@ -171,12 +171,18 @@ class NonContrastiveModule(FeatureLearningModule):
         m2 = 1.0 - m1
 
         def one(mo, mt):
-            f = encode(x, self.w, mo, self.backend)
-            if self.stop_grad:
+            if self.stop_grad and self.target_kind == "shared_sg":
+                # One pass over x for both views: the op's no-grad "teacher" is the sum over every patch,
+                # so the target view's sum is the total less the online view's.
+                sums = patch_activation_sum(x, self.w, CUBIC, mask=mo, teacher_scale=1.0, backend=self.backend,
+                                            input_precision="ieee")
+                f, g = sums.student, sums.teacher - sums.student.detach()
+            elif self.stop_grad:
+                f = encode(x, self.w, mo, self.backend)
                 with torch.no_grad():
                     g = encode(x, self.target_weights().detach(), mt, self.backend)
             else:
-                g = encode(x, self.w, mt, self.backend)
+                f, g = encode(x, self.w, mo, self.backend), encode(x, self.w, mt, self.backend)
             return noncontrastive_loss(f, g, self.head, self.out_norm, self.eps, self.backend)
 
         loss = one(m1, m2)

@@ -85,7 +85,8 @@ def run(argv: list[str] | None = None, extra_cases: list | None = None) -> tuple
               f"median / IQR / mean of {args.repeats} interleaved rounds after {args.warmup} warm-up; "
               f"x = speed-up (baseline's median / variant's), > 1 is faster; peak = "
               + ("CUDA max_memory_allocated over the call" if device.type == "cuda" else
-                 "peak RSS over the call (VmHWM reset via /proc/self/clear_refs), above the RSS before it"))
+                 "growth of the peak RSS over one call, in an untimed pass after all timing, with glibc made to "
+                 "return freed tensors (n/a for steps, whose calls also build the module and data)"))
     files = harness.write(results, args.out, f"{args.what}_{args.size}_{args.device}", header)
     print(harness.table(results, header))
     print("\nwrote " + ", ".join(str(f) for f in files))

@@ -10,16 +10,15 @@ machine that slows down mid-run slows every variant alike.
 Timing: on CPU ``time.perf_counter`` around each call; on CUDA ``triton.testing.do_bench`` (events, median
 of its own repeats) per call of a pure function, CUDA events around a call with side effects (a training
 step). Peak memory: on CUDA ``torch.cuda.max_memory_allocated`` reset before each call, less what was
-allocated before it; on CPU the kernel's peak resident set (``VmHWM``), reset through
-``/proc/self/clear_refs`` before each call, less the resident set before it (Linux; n/a elsewhere), with
-glibc told to return freed tensors to the system so that the resident set follows live tensors (on
-another C library peaks may read low). Both are the largest over a variant's timed calls.
+allocated before it, the largest over a variant's timed calls; on CPU, in a pass of its own after all
+timing (:func:`measure_cpu_peaks`), the growth of the kernel's peak resident set (``VmHWM``, reset
+through ``/proc/self/clear_refs``) over one call, with glibc made to return freed tensors to the system
+(Linux with glibc; n/a elsewhere).
 """
 from __future__ import annotations
 
 import csv
 import ctypes
-import functools
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -143,8 +142,6 @@ class Meter:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             self.base = torch.cuda.memory_allocated()
-        else:
-            self.base = _reset_rss_peak()
         if self.events:
             self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             self.start.record()
@@ -159,11 +156,9 @@ class Meter:
         self.seconds = time.perf_counter() - self.t0
         if self.events:
             self.seconds = 1e-3 * self.start.elapsed_time(self.end)
-        if self.cuda:
-            self.peak_bytes = torch.cuda.max_memory_allocated() - self.base
-        else:
-            peak = _rss_peak()
-            self.peak_bytes = None if peak is None or self.base is None else max(0, peak - self.base)
+        # CPU peaks come from a separate pass after all timing (measure_cpu_peaks): measuring them changes
+        # how memory is allocated, which would slow the timed calls
+        self.peak_bytes = torch.cuda.max_memory_allocated() - self.base if self.cuda else None
 
 
 def _proc_status_kib(key: str) -> int | None:
@@ -176,21 +171,19 @@ def _proc_status_kib(key: str) -> int | None:
     return None
 
 
-@functools.cache
-def _release_freed_tensors() -> None:
-    """Make freed tensor memory leave the resident set, so that RSS follows live tensors. glibc serves
-    large blocks by mmap and returns them on free, but raises its mmap threshold (up to 32 MB) after the
-    first such free; from then on tensors come from the heap, stay resident when freed, and a repeated
-    call shows no RSS growth at all. A fixed threshold keeps every tensor over 64 KB on mmap."""
+def _glibc():
     try:
-        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 16)  # -3 = M_MMAP_THRESHOLD
-    except (OSError, AttributeError):
-        pass  # not glibc: peaks may read low, as the module docstring says
+        return ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None  # not glibc: no CPU peaks
+
+
+_LIBC = _glibc()
 
 
 def _reset_rss_peak() -> int | None:
     """Reset the kernel's peak-RSS counter (Linux >= 4.0) and return the current RSS (None: unsupported)."""
-    _release_freed_tensors()
+    _LIBC.malloc_trim(0)  # what an earlier call freed on the heap is no longer resident
     try:
         Path("/proc/self/clear_refs").write_text("5")
     except OSError:
@@ -234,6 +227,36 @@ def interleave(case: Case, results: list[Result], device: torch.device, rounds: 
             measure(r, lambda: runs[r.variant](inputs), device)
 
 
+def measure_cpu_peaks(cases: list[Case], results: list[Result], seed: int) -> None:
+    """Peak resident-set growth of one call of each passed variant, measured after all timing.
+
+    glibc serves large blocks by mmap and returns them on free, but raises its mmap threshold (up to
+    32 MB) after the first such free; from then on tensors come from the heap and stay resident when
+    freed, so a repeated call would show no growth. Fixing the threshold (every block over 64 KB on
+    mmap) makes RSS follow live tensors, at the price of a page fault per allocation: hence a pass of its
+    own, after the timed rounds. Without glibc or ``/proc`` the column reads n/a, and so it does for step
+    cases (their ``run`` builds a module and its data, which is not a step's working memory)."""
+    if _LIBC is None:
+        return
+    _LIBC.mallopt(-3, 1 << 16)  # -3 = M_MMAP_THRESHOLD; a fixed value also ends its dynamic growth
+    passed = {(r.case, r.shape, r.variant): r for r in results if r.passed}
+    cpu = torch.device("cpu")
+    for case in cases:
+        if case.timer is not None:  # a step case's run() builds its module and data: not a step's memory
+            continue
+        inputs = case.inputs(case.dtype, cpu, seed)
+        for variant in case.variants:
+            result = passed.get((case.name, case.shape, variant.name))
+            if result is None:
+                continue
+            variant.run(inputs)  # first-call caches (compiled graphs) are not the variant's working memory
+            base = _reset_rss_peak()
+            variant.run(inputs)
+            peak = _rss_peak()
+            if base is not None and peak is not None:
+                result.peak_bytes = max(0, peak - base)
+
+
 def run_cases(cases: list[Case], device: torch.device, rounds: int, warmup: int, seed: int,
               progress: Callable[[str], None] = print) -> list[Result]:
     """Check, then time, every case; FAILED variants are reported and not timed."""
@@ -247,6 +270,9 @@ def run_cases(cases: list[Case], device: torch.device, rounds: int, warmup: int,
         progress(f"  timing {sum(r.passed for r in checked)} variants, {warmup} warm-up + {rounds} interleaved rounds")
         (case.timer or interleave)(case, checked, device, rounds, warmup, seed)
         results.extend(checked)
+    if device.type == "cpu":
+        progress("peak memory: one more call of each variant")
+        measure_cpu_peaks(cases, results, seed)
     return results
 
 
