@@ -24,6 +24,8 @@ contrastive: configs/contrastive/random_mask.yaml + data_tiny.yaml; non-contrast
 with_head_population.yaml at d = 100; non-contrastive sample mode: with_head.yaml's d = 100, P = 32 with a
 fixed full batch of N = 1024 samples, a CPU-feasible size: the config's 4096 fresh samples per step cost ~8 s
 of sampling per step on 2 cores), ``smoke`` = a few-second version of each for CI.
+
+Length (~380 lines): three plain loops written from three specs, beside the Trainer clock that interleaves them.
 """
 from __future__ import annotations
 
