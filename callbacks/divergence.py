@@ -84,9 +84,10 @@ class DivergenceGuard(L.Callback):
                               f"value over the last {len(self.history)} steps ({smallest:.3g} at step {at}); "
                               f"the limit is {factor:g}x (divergence.{quantity.split('_')[0]}_growth)")
                 suspect |= ratio > math.sqrt(factor)
-        # one reduction across ranks for both decisions: any rank that diverged or is suspect counts
-        flags = torch.tensor([reason is not None, suspect], dtype=torch.float32, device=pl_module.device)
-        diverged, self.suspect = (v > 0 for v in trainer.strategy.reduce(flags, reduce_op="sum").tolist())
+        diverged, self.suspect = reason is not None, suspect
+        if trainer.world_size > 1:  # one reduction for both decisions: any rank that diverged or is suspect counts
+            flags = torch.tensor([diverged, suspect], dtype=torch.float32, device=pl_module.device)
+            diverged, self.suspect = (v > 0 for v in trainer.strategy.reduce(flags, reduce_op="sum").tolist())
         if diverged:
             self._stop(trainer, reason or "another process diverged", _checkpoint_note(trainer))
         self.history.append((trainer.global_step, current))

@@ -1,7 +1,7 @@
 """Log a module's heat maps (e.g. the neuron x feature correlation matrix) to TensorBoard as figures."""
 import lightning as L
 
-from featlearn.metrics.figures import heatmap_figure
+from featlearn.metrics.figures import heatmap_figure, tensorboard_writer
 
 
 class HeatmapLogger(L.Callback):
@@ -18,7 +18,7 @@ class HeatmapLogger(L.Callback):
         self.every_n_steps = every_n_steps
 
     def _log(self, trainer, pl_module) -> None:
-        if trainer.global_rank != 0:
+        if tensorboard_writer(trainer) is None:  # other ranks, or no TensorBoard logger: draw nothing
             return
         ylabel, xlabel = pl_module.heatmap_axes
         for name, matrix in pl_module.heatmaps().items():

@@ -54,13 +54,16 @@ def experiment_parser(description: str, default_out: str) -> argparse.ArgumentPa
     return parser
 
 
-def parse_experiment_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
-    """Parse, refuse repeated seeds (naming the option), set the torch thread count, and replace
-    ``args.out`` by the folder to write to (:func:`output_dir`)."""
+def parse_experiment_args(parser: argparse.ArgumentParser, argv=None, check=None) -> argparse.Namespace:
+    """Parse, refuse repeated seeds (naming the option), run the experiment's own ``check(parser, args)``
+    (which refuses with ``parser.error`` and may add derived values to ``args``), set the torch thread
+    count, and only then replace ``args.out`` by the folder to write to (:func:`output_dir`)."""
     args = parser.parse_args(argv)
     repeated = sorted({s for s in args.seed if args.seed.count(s) > 1})
     if repeated:
         parser.error(f"--seed: seeds must be distinct, got {repeated} more than once")
+    if check is not None:
+        check(parser, args)
     torch.set_num_threads(args.threads)
     args.out = output_dir(args.out, args.overwrite)
     return args

@@ -289,15 +289,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--settings", help=f"comma-separated subset of {SETTINGS} (configs/contrastive/*.yaml); "
                                            f"default {','.join(DEFAULT_SETTINGS)}, with --sweep-d "
                                            f"{','.join(SWEEP_SETTINGS)}")
-    _refuse_bad_options(parser, parser.parse_args(argv))
-    args = parse_experiment_args(parser, argv)
-    default = SWEEP_SETTINGS if args.sweep_d else DEFAULT_SETTINGS
-    args.names = [s for s in (args.settings or ",".join(default)).split(",") if s]
-    args.ds = args.sweep_d or [args.d if args.d is not None else PRESETS[args.preset]]
-    return args
+    return parse_experiment_args(parser, argv, _refuse_bad_options)
 
 
 def _refuse_bad_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse bad options, naming them; set ``args.names`` (settings) and ``args.ds`` (sizes)."""
+    default = SWEEP_SETTINGS if args.sweep_d else DEFAULT_SETTINGS
+    args.names = [s for s in (args.settings or ",".join(default)).split(",") if s]
+    args.ds = ds = args.sweep_d or [args.d if args.d is not None else PRESETS[args.preset]]
     if args.combine:
         given = [opt for opt, v in (("--sweep-d", args.sweep_d), ("--d", args.d), ("--d1", args.d1),
                                     ("--steps", args.steps), ("--settings", args.settings),
@@ -310,13 +309,11 @@ def _refuse_bad_options(parser: argparse.ArgumentParser, args: argparse.Namespac
             parser.error(f"--combine: no results.json or sweep_d.json in {missing}")
         return
     if args.settings is not None:
-        names = [s for s in args.settings.split(",") if s]
-        unknown = [s for s in names if s not in SETTINGS]
-        if unknown or not names:
+        unknown = [s for s in args.names if s not in SETTINGS]
+        if unknown or not args.names:
             parser.error(f"--settings: must be among {SETTINGS}, got {unknown or args.settings!r}")
     if args.sweep_d and (args.d is not None or args.d1 is not None or args.steps is not None):
         parser.error("--sweep-d: sizes and steps come from the size rule; do not combine with --d, --d1 or --steps")
-    ds = args.sweep_d or [args.d if args.d is not None else PRESETS[args.preset]]
     for name, values in (("--d", [args.d]), ("--sweep-d", args.sweep_d or [])):
         bad = [v for v in values if v is not None and v < 4]
         if bad:

@@ -266,7 +266,12 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, list[Size]]:
     parser.add_argument("--mu", type=float, nargs="+", default=[0.02],
                         help="share of single-view samples in pretraining and downstream training (default 0.02)")
     parser.add_argument("--grid", action="store_true", help="also run each method over the grid and report its best")
-    args = parser.parse_args(argv)
+    args = parse_experiment_args(parser, argv, _refuse_bad_options)
+    return args, args.sizes
+
+
+def _refuse_bad_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse bad options, naming them; set ``args.sizes``."""
     for option, values in (("--preset", args.preset or []), ("--mu", [f"{mu:g}" for mu in args.mu])):
         if len(set(values)) != len(values):
             parser.error(f"{option}: values must be distinct, got {values}")
@@ -274,7 +279,7 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, list[Size]]:
         parser.error(f"--mu: must be in [0, 1], got {args.mu}")
     if args.k is not None and args.preset:
         parser.error("--k: give the size either with --k or with --preset, not both")
-    sizes = sizes_of(args)
+    args.sizes = sizes = sizes_of(args)
     smallest_P = DATA["C_p"] * (2 + 4 * DATA["s"])
     for size in sizes:
         for option, value, low, why in (("--k", size.k, 2, ""), ("--m", size.m, 1, ""), ("--N", size.N, 1, ""),
@@ -283,7 +288,6 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, list[Size]]:
                                         ("--N2", size.N2, size.k, f" (N2 >= k = {size.k}, Assumption 2)")):
             if value < low:
                 parser.error(f"{option}: must be at least {low:g}{why}, got {value}")
-    return parse_experiment_args(parser, argv), sizes
 
 
 def sizes_of(args) -> list[Size]:

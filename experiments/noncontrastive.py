@@ -88,8 +88,8 @@ def variants(size: dict, args, out) -> dict:
 
 def initial_weights(model, dm, seeds) -> torch.Tensor:
     """``[S, m, d]``: the W0 ``model``'s config builds with ``init_seed=seed``, for each seed."""
-    kwargs = {k: v for k, v in model.hparams.items() if not k.startswith("_")}
-    return torch.stack([type(model)(**{**kwargs, "init_seed": seed}).attach(dm).w.detach() for seed in seeds])
+    return torch.stack([type(model)(**{**model.hparams_initial, "init_seed": seed}).attach(dm).w.detach()
+                        for seed in seeds])
 
 
 def _median(xs):
@@ -168,7 +168,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
     lines = ["# Non-contrastive learning: with vs without prediction head (spec 004, population GD)", "",
              f"`{meta['command']}`", "",
              f"P={meta['num_patches']}, P0={meta['num_feature_patches']}, alphas={meta['alphas']}, "
-             f"noise_std={meta['noise_std']}, width 2, seeds {meta['seeds']}, {meta['step_rule']}; {runs_meta}; "
+             f"noise_std={meta['noise_std']}, width {meta['width']}, seeds {meta['seeds']}, {meta['step_rule']}; {runs_meta}; "
              f"wall {meta['wall_s']} s, compile={meta['compile']}", "",
              "| d | variant | runs | DIV | COL | PAR | outcome changed in 2nd half | peak abs E21 mean (min-max) "
              "| E21 rise+fall | rise+fall and DIV | final offdiag(E) | final loss mean (min-max) | OPT "
@@ -309,9 +309,10 @@ def main(argv=None) -> dict:
         size_meta.append(m)
         trajs.append(tr)
         figures[f"E21_d{m['dim']}"] = fig
-    data = _data_args(next(iter(SETTINGS["variants"].values())))
+    variant = resolved_config(f"noncontrastive/{next(iter(SETTINGS['variants'].values()))}")
+    data = variant["data"]["init_args"]
     meta = {"num_patches": args.num_patches or data["num_patches"], "num_feature_patches": data["num_feature_patches"],
-            "alphas": data["alphas"], "noise_std": data["noise_std"], "width": 2,
+            "alphas": data["alphas"], "noise_std": data["noise_std"], "width": variant["model"]["init_args"]["width"],
             "seeds": seed_ranges(args.seed),
             "step_rule": ("steps fixed by --steps" if args.steps else
                           f"eta = eta_E = {args.lr}, steps = {SETTINGS['flow_time_at_d100']:g} (d/100)^2 / eta"),

@@ -116,10 +116,12 @@ class Activation:
                 return c.pow_(self.q).mul_(1.0 / (self.q * self.rho ** (self.q - 1))).add_(linear), None
             d = (c * (1.0 / self.rho)).pow_(self.q - 1)
             return c.mul_(d).mul_(1.0 / self.q).add_(linear), d
+        if not slope:  # relu, pow: the value alone is one pass
+            return self(z), None
         if self.name == "relu":
-            return z.clamp_min(0.0), (z > 0).to(z.dtype) if slope else None
+            return z.clamp_min(0.0), (z > 0).to(z.dtype)
         lower = z.pow(self.q - 1)
-        return z * lower, lower.mul_(self.q) if slope else None
+        return z * lower, lower.mul_(self.q)
 
     def derivative(self, z: torch.Tensor) -> torch.Tensor:
         """Elementwise f'(z) (for relu, 0 at z = 0)."""

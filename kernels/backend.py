@@ -200,9 +200,8 @@ def grouped_grid(rows: tuple[int, str], cols: tuple[int, str] | int):
         >>> grouped_grid((100, "BLOCK_M"), (40, "BLOCK_N"))({"BLOCK_M": 32, "BLOCK_N": 16})
         (12,)
     """
-    def grid(meta):
-        return (math.prod(d if isinstance(d, int) else triton.cdiv(d[0], meta[d[1]]) for d in (rows, cols)),)
-    return grid
+    tiles = tile_grid(rows, cols)
+    return lambda meta: (math.prod(tiles(meta)),)
 
 
 def interpreting() -> bool:
@@ -210,9 +209,9 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def check_backend(backend: str, field: str = "backend") -> str:
+def check_backend(backend: str) -> str:
     if backend not in BACKENDS:
-        raise ConfigError(field, f"one of {BACKENDS}", backend)
+        raise ConfigError("backend", f"one of {BACKENDS}", backend)
     return backend
 
 

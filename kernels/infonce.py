@@ -49,7 +49,7 @@ def _infonce_fwd_torch(ha, hq, hn, tau, chunk):
     s_pos = (ha * hq).sum(-1)
     run_max = s_pos / tau
     run_sum = torch.ones_like(s_pos)
-    out = hq.clone()  # sum_x exp(s_x/tau - run_max) f(x), positive first
+    out = hq  # sum_x exp(s_x/tau - run_max) f(x), positive first
     n = hn.shape[-2]
     for start in range(0, n, chunk):
         block = hn[start:start + chunk] if hn.dim() == 2 else hn[:, start:start + chunk]

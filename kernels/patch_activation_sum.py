@@ -284,12 +284,14 @@ def _patch_sum_fwd_torch(x, w, mask, act, teacher_scale, step, student, teacher,
         rows = slice(b0, B if save else min(B, b0 + step))
         at = w @ x[rows].reshape(-1, D).T  # [R, b*P]
         y = act.value_and_derivative(at, slope=False)[0].view(R, -1, P)
+        if teacher is not None and teacher_scale == 1:  # the student's activations, unmasked: no second pass
+            teacher[rows] = y.sum(2).T
+        elif teacher is not None:  # at is scratch unless it is kept
+            scaled = at * teacher_scale if save else at.mul_(teacher_scale)
+            teacher[rows] = act.value_and_derivative(scaled, slope=False)[0].view(R, -1, P).sum(2).T
         student[rows] = _patch_sum(y, _chunk(mask, rows)).T
         if sq is not None:
             sq[rows] = _patch_sum(y.square_(), _chunk(mask, rows)).T
-        if teacher is not None:  # at is scratch unless it is kept
-            scaled = at * teacher_scale if save else at.mul_(teacher_scale)
-            teacher[rows] = act.value_and_derivative(scaled, slope=False)[0].view(R, -1, P).sum(2).T
     return at if save else None
 
 
@@ -362,7 +364,7 @@ class PatchActivationSumFunction(torch.autograd.Function):
     def backward(ctx, g_student, g_teacher, g_squares):
         x, w, mask, at = ctx.saved_tensors
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        gs, gq = contiguous(g_student, g_squares if ctx.squares else None)
+        gs, gq = g_student, g_squares if ctx.squares else None  # strided views are fine for both backends
         if gs is None and gq is None or not (need_x or need_w):
             return (None,) * 10
         B, P, D = x.shape

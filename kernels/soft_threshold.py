@@ -240,7 +240,7 @@ def soft_threshold_layer(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | 
 
     Returns ``[B, m]`` activations in ``x.dtype``.
     """
-    check_backend(backend, "backend")
+    check_backend(backend)
     precision = resolve_precision(input_precision, check_float_inputs("soft_threshold_layer", x=x, w=w, bias=bias))
     if x.dim() != 2:
         raise ConfigError("x", "a 2-D tensor [B, d1]", tuple(x.shape))

@@ -33,7 +33,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from featlearn.datamodules.base import SyntheticDataModule
 from featlearn.errors import ConfigError
-from featlearn.metrics.figures import tensorboard_writer
+from featlearn.metrics.figures import plt, tensorboard_writer
 
 # Optimizer-state entries that are learned state rather than configuration; everything else in a param
 # group (lr, weight_decay, momentum, ...) comes from the current config when a run is resumed.
@@ -123,14 +123,13 @@ class FeatureLearningModule(L.LightningModule):
         metrics = {f"hp/{k}": float(v) for k, v in self.final_metrics().items()}
         if not metrics or self.trainer.global_rank != 0:
             return
-        params = {**getattr(self.trainer.datamodule, "hparams", {}), **self.hparams}
+        data = self.trainer.datamodule
+        params = {**(data.hparams_initial if data is not None else {}), **self.hparams_initial}
         for logger in writer_loggers:
-            logger.log_hyperparams(_public(params), metrics=metrics)
+            logger.log_hyperparams(params, metrics=metrics)
 
     def log_figure(self, tag: str, figure) -> None:
         """Log a matplotlib figure to TensorBoard at the current step (rank 0; no-op without TensorBoard)."""
-        import matplotlib.pyplot as plt
-
         writer = tensorboard_writer(self._trainer)
         if writer is not None:
             writer.add_figure(tag, figure, self.global_step)

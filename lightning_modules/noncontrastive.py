@@ -167,8 +167,8 @@ class NonContrastiveModule(FeatureLearningModule):
     # --- loss -----------------------------------------------------------------------------------
     def batch_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """The sampled loss of spec 4.1 on one batch (online: view 1, target: view 2)."""
-        x, m1 = batch["x"], batch["view1"].to(batch["x"].dtype)
-        m2 = 1.0 - m1
+        x = batch["x"]
+        m1, m2 = self.datamodule_class.views(batch)
 
         def one(mo, mt):
             if self.stop_grad and self.target_kind == "shared_sg":
@@ -270,9 +270,9 @@ class NonContrastiveModule(FeatureLearningModule):
             rho = None
             if self.gradient == "sample" and self.out_norm == "bn":
                 with torch.no_grad():
-                    x, m1 = batch["x"], batch["view1"].to(batch["x"].dtype)
+                    x, (m1, m2) = batch["x"], self.datamodule_class.views(batch)
                     f = encode(x, self.w.detach(), m1, self.backend) @ self.head.detach().T
-                    g = encode(x, self.target_weights().detach(), 1 - m1, self.backend)
+                    g = encode(x, self.target_weights().detach(), m2, self.backend)
                     rho = bn_column_stats(f, g, backend=self.backend)["rho"]
             met = self.metrics(self.last_loss, rho)
             self.history.append({**met, "step": self.global_step_safe()})

@@ -32,3 +32,17 @@ def refused_before_work(monkeypatch):
         return info.value
 
     return check
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    """Every output buffer an op allocates (``featlearn.kernels.backend.new_output``, the one allocation
+    seam of every op) starts as NaN, uint8 codes as 255: cells a kernel fails to write show up."""
+    from featlearn.kernels import backend
+
+    def new_output(shape, like, dtype=None):
+        dtype = like.dtype if dtype is None else dtype
+        fill = 255 if dtype == torch.uint8 else float("nan")
+        return torch.full(shape, fill, device=like.device, dtype=dtype)
+
+    monkeypatch.setattr(backend, "new_output", new_output)

@@ -97,7 +97,10 @@ def population_terms(w: torch.Tensor, head: torch.Tensor, features: torch.Tensor
         return b, _noise_gram(u, noise_std)
 
     b, a = gram(w)
-    bt, at = (b, a) if (w_target is None and not stop_grad) else gram(wt)
+    if w_target is None:  # the target is the online branch itself: its moments, detached for stop-grad
+        bt, at = (b.detach(), a.detach()) if stop_grad else (b, a)
+    else:
+        bt, at = gram(wt)
     eb3 = head @ b ** 3                                                  # (E B^3)_{j l}
     efg = c["C0"] * (coef * eb3 * bt ** 3).sum(-1)
     m_on = _moments_M(a)

@@ -19,14 +19,15 @@ from pathlib import Path
 import torch
 
 from featlearn.bench import harness, ops, steps
+from featlearn.cli import _refuse
+from featlearn.validation import default_device
 
 
 class _Parser(argparse.ArgumentParser):
     """One-line refusals naming the option, as the rest of the ``featlearn`` command."""
 
     def error(self, message: str):
-        sys.stderr.write(f"error: {message}\n")
-        raise SystemExit(2)
+        _refuse(message)
 
 
 def _positive(text: str) -> int:
@@ -44,7 +45,7 @@ def _non_negative(text: str) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
-    default_device = "cuda" if torch.cuda.is_available() else "cpu"
+    default = default_device()
     top = _Parser(prog="featlearn bench", description=__doc__.splitlines()[0])
     sub = top.add_subparsers(dest="what", required=True, parser_class=_Parser)
     for name, choices, plural, sizes, help_ in (
@@ -54,7 +55,7 @@ def parser() -> argparse.ArgumentParser:
         p.add_argument(plural, nargs="+", choices=choices, default=list(choices), metavar="NAME",
                        help=f"one or more of {', '.join(choices)} (default: all)")
         p.add_argument("--size", choices=sizes, default="tiny", help=f"one of {', '.join(sizes)} (default: tiny)")
-        p.add_argument("--device", choices=("cpu", "cuda"), default=default_device)
+        p.add_argument("--device", choices=("cpu", "cuda"), default=default)
         p.add_argument("--repeats", type=_positive, default=20, help="timed interleaved rounds (default 20)")
         p.add_argument("--warmup", type=_non_negative, default=3,
                        help="untimed rounds first; they also absorb torch.compile and Triton autotuning")

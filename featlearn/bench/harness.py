@@ -70,6 +70,12 @@ class Result:
     peak_bytes: int | None = None
     note: str = ""
 
+    def record(self, seconds: float, peak_bytes: int | None) -> None:
+        """One timed call: its seconds, and the largest peak so far (``None``: no peak measured)."""
+        self.seconds.append(seconds)
+        if peak_bytes is not None:
+            self.peak_bytes = max(self.peak_bytes or 0, peak_bytes)
+
     @property
     def median_ms(self) -> float:
         return 1e3 * statistics.median(self.seconds) if self.seconds else float("nan")
@@ -120,22 +126,17 @@ def check(case: Case, device: torch.device, seed: int) -> list[Result]:
 
 def to_float64(inputs: dict) -> dict:
     """A float64 copy of every floating tensor (leaf-ness and ``requires_grad`` kept); other values as is."""
-    def up(v):
-        if isinstance(v, torch.Tensor) and v.is_floating_point():
-            return v.detach().to(torch.float64, copy=True).requires_grad_(v.requires_grad)
-        if isinstance(v, dict):
-            return {k: up(x) for k, x in v.items()}
-        return v
-    return up(inputs)
+    return {k: v.detach().to(torch.float64, copy=True).requires_grad_(v.requires_grad)
+            if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in inputs.items()}
 
 
 class Meter:
-    """Seconds and peak memory of one call: ``with Meter(device, events) as m: ...`` -> ``m.seconds``,
+    """Seconds and peak memory of one call: ``with Meter(device) as m: ...`` -> ``m.seconds``,
     ``m.peak_bytes`` (None where the platform gives no peak)."""
 
-    def __init__(self, device: torch.device, events: bool = True):
+    def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
-        self.events = events and self.cuda
+        self.events = self.cuda
 
     def __enter__(self) -> "Meter":
         if self.cuda:
@@ -203,15 +204,12 @@ def measure(result: Result, fn: Callable[[], object], device: torch.device) -> N
 
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        result.seconds.append(1e-3 * triton.testing.do_bench(fn, warmup=5, rep=20, return_mode="median"))
-        peak = torch.cuda.max_memory_allocated() - base
+        seconds = 1e-3 * triton.testing.do_bench(fn, warmup=5, rep=20, return_mode="median")
+        result.record(seconds, torch.cuda.max_memory_allocated() - base)
     else:
         with Meter(device) as m:
             fn()
-        result.seconds.append(m.seconds)
-        peak = m.peak_bytes
-    if peak is not None:
-        result.peak_bytes = max(result.peak_bytes or 0, peak)
+        result.record(m.seconds, m.peak_bytes)
 
 
 def interleave(case: Case, results: list[Result], device: torch.device, rounds: int, warmup: int, seed: int) -> None:

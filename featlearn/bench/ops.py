@@ -14,7 +14,7 @@ import functools
 import torch
 
 from featlearn.bench.harness import COMPILED, EAGER, Case, Variant
-from featlearn.kernels import (Activation, bn_cosine_loss, bn_cosine_loss_reference, infonce_reference,
+from featlearn.kernels import (Activation, smoothed_relu, bn_cosine_loss, bn_cosine_loss_reference, infonce_reference,
                                infonce_stopgrad, patch_activation_sum, patch_activation_sum_reference,
                                soft_threshold_layer, soft_threshold_reference)
 
@@ -63,8 +63,7 @@ def _compiled(run, forward):
 
 # ------------------------------------------------------------------------------------------------
 def _srelu(a: torch.Tensor) -> torch.Tensor:
-    c = a.clamp(0.0, RHO)
-    return c ** Q / (Q * RHO ** (Q - 1)) + (a - RHO).clamp_min(0.0)
+    return smoothed_relu(a, Q, RHO)
 
 
 def _patch_eager_forward(x, w, mask):
@@ -84,7 +83,6 @@ def _patch_loss_and_grad(s, t, q, w, gs, gq):
 def patch_eager(inp, forward=_patch_eager_forward):
     s, t, q = forward(inp["x"], inp["w"], inp["mask"])
     return _patch_loss_and_grad(s, t, q, inp["w"], inp["gs"], inp["gq"])
-
 
 
 def patch_featlearn(inp, backend):
@@ -124,7 +122,6 @@ def soft_eager(inp, forward=_soft_eager_forward):
     return h.detach(), *_grads((h * inp["g"]).sum(), [inp["w"]])
 
 
-
 def soft_featlearn(inp, backend):
     h = soft_threshold_layer(inp["x"], inp["w"], inp["b"], backend=backend, input_precision="ieee")
     return h.detach(), *_grads((h * inp["g"]).sum(), [inp["w"]])
@@ -153,7 +150,6 @@ def _bn_eager_forward(p, z):
 def bn_eager(inp, forward=_bn_eager_forward):
     loss = forward(inp["p"], inp["z"])
     return loss.detach(), *_grads(loss, [inp["p"]])
-
 
 
 def bn_featlearn(inp, backend):
@@ -186,7 +182,6 @@ def _infonce_eager_forward(ha, hq, hn, tau):
 def infonce_eager(inp, forward=_infonce_eager_forward):
     loss = forward(inp["ha"], inp["hq"], inp["hn"], inp["tau"])
     return loss.detach(), *_grads(loss, [inp["ha"]])
-
 
 
 def infonce_featlearn(inp, backend):

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 
 from featlearn.bench.harness import COMPILED, EAGER, Case, Meter, Result, Variant
 from featlearn.callbacks import DivergenceGuard
+from featlearn.kernels import smoothed_relu
 from featlearn.datamodules.multiview import MultiViewDataModule
 from featlearn.datamodules.sparse_coding import SparseCodingDataModule
 from featlearn.datamodules.two_feature_patches import TwoFeaturePatchDataModule
@@ -108,9 +109,8 @@ class MRP(Method):
 
     @staticmethod
     def _forward(w, x, tau: float, theta: float, q: int, rho: float):
-        def f(a):  # smoothed ReLU: a^q / (q rho^(q-1)) on [0, rho], linear above
-            c = a.clamp(0.0, rho)
-            return c ** q / (q * rho ** (q - 1)) + (a - rho).clamp_min(0.0)
+        def f(a):
+            return smoothed_relu(a, q, rho)
 
         a = x @ w.T  # [N, P, R]: the one GEMM; the teacher tau w reads the same product
         y = f(a)
@@ -312,18 +312,12 @@ class _Clock(L.Callback):
         self.meter.__exit__(None, None, None)
         timed = trainer.global_step > self.warmup
         if timed and FEATLEARN in self.results:
-            _record(self.results[FEATLEARN], self.meter)
+            self.results[FEATLEARN].record(self.meter.seconds, self.meter.peak_bytes)
         for name, loop in self.loops.items():
             with Meter(self.device) as m:
                 loop()
             if timed:
-                _record(self.results[name], m)
-
-
-def _record(result: Result, meter: Meter) -> None:
-    result.seconds.append(meter.seconds)
-    if meter.peak_bytes is not None:
-        result.peak_bytes = max(result.peak_bytes or 0, meter.peak_bytes)
+                self.results[name].record(m.seconds, m.peak_bytes)
 
 
 def _timer(spec: Method):
@@ -340,7 +334,7 @@ def _timer(spec: Method):
                     with Meter(device) as m:
                         loop()
                     if i >= warmup:
-                        _record(passed[name], m)
+                        passed[name].record(m.seconds, m.peak_bytes)
             return
         chatter = logging.getLogger("lightning.pytorch")
         level = chatter.level
