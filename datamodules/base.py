@@ -13,6 +13,10 @@ Two modes:
 Training indices depend only on (seed, global step, rank): a resumed run continues exactly, and the
 same global batch (``batch_size`` x devices) gives the same samples on any number of devices.
 
+The validation and test splits are generated once per process for each distribution (class and data
+arguments) and device, and shared by every DataModule that asks for them: the runs of one experiment
+(pretraining, fine-tuning, supervised baselines, a grid) evaluate on the same tensors.
+
 Subclasses implement :meth:`sample` and :attr:`features`.
 
 Example:
@@ -24,6 +28,7 @@ Example:
     >>> dm.full("train")["x"].shape
     torch.Size([8, 3])
 """
+from collections import OrderedDict
 from functools import partial
 from typing import Literal
 
@@ -36,11 +41,17 @@ from featlearn.datamodules import rng
 from featlearn.errors import ConfigError
 from featlearn.validation import PositiveInt, check_args, check_memory, format_bytes
 
-GEN_BYTES = 36
-"""Peak bytes of temporaries per generated value: the counter-based generator holds int64 counters and
-float64 Box-Muller terms behind every float it returns (measured 27-36 bytes on CPU)."""
+GEN_BYTES = 20
+"""Peak bytes of temporaries per generated value: the counter-based generator holds int32 words and
+float32 Box-Muller terms behind every float it returns (measured 16.4 bytes on CPU, output included)."""
 
 SPLITS = ("train", "val", "test")
+
+_LOADER_ONLY = frozenset({"mode", "batch_size", "num_train", "num_val", "num_test", "steps_per_epoch", "shuffle"})
+"""Data arguments that choose how samples are served, not what a validation or test sample is."""
+
+_SHARED_EVAL_SPLITS: "OrderedDict[tuple, dict]" = OrderedDict()
+_SHARED_EVAL_LIMIT = 4  # distributions kept per process (least recently used dropped first)
 
 
 class _Indices(Dataset):
@@ -71,6 +82,7 @@ class SyntheticDataModule(L.LightningDataModule):
     """
 
     train_field = "data.num_train"  # the config field that sizes the training split (named in refusals)
+    train_only_args: tuple[str, ...] = ()  # a subclass's arguments that never change a val / test sample
 
     def __init__(
         self,
@@ -146,12 +158,30 @@ class SyntheticDataModule(L.LightningDataModule):
         return 1000 * (SPLITS.index(split) + 1) + quantity
 
     def full(self, split: str, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-        """The whole fixed split on ``device`` (cached); ``index`` holds the sample indices."""
+        """The whole fixed split on ``device`` (cached); ``index`` holds the sample indices.
+
+        Validation and test splits come from a per-process cache shared with every DataModule of the
+        same class and data arguments (the sizes of other splits and the loader settings aside).
+        """
         key = (split, str(torch.device(device)))
         if key not in self._cache:
-            index = torch.arange(self.sizes[split], device=device)
-            self._cache[key] = {**self.sample(index, split), "index": index}
+            shared = self._shared_key(split, key[1]) if split != "train" else None
+            if shared in _SHARED_EVAL_SPLITS:
+                _SHARED_EVAL_SPLITS.move_to_end(shared)
+                self._cache[key] = _SHARED_EVAL_SPLITS[shared]
+            else:
+                index = torch.arange(self.sizes[split], device=device)
+                self._cache[key] = {**self.sample(index, split), "index": index}
+                if shared is not None:
+                    _SHARED_EVAL_SPLITS[shared] = self._cache[key]
+                    while len(_SHARED_EVAL_SPLITS) > _SHARED_EVAL_LIMIT:
+                        _SHARED_EVAL_SPLITS.popitem(last=False)
         return self._cache[key]
+
+    def _shared_key(self, split: str, device: str) -> tuple:
+        skip = _LOADER_ONLY | set(self.train_only_args)
+        args = sorted((k, repr(v)) for k, v in super().hparams_initial.items() if k not in skip)
+        return type(self).__module__, type(self).__qualname__, split, self.sizes[split], device, tuple(args)
 
     def batch(self, index: torch.Tensor, split: str) -> dict[str, torch.Tensor]:
         """Samples for these indices: fixed splits are read from the device cache, online ones drawn.

@@ -52,6 +52,8 @@ class MultiViewDataModule(SyntheticDataModule):
         ``**synthetic``: seed, mode, batch_size, steps_per_epoch, shuffle (:class:`SyntheticDataModule`).
     """
 
+    train_only_args = ("num_pretrain", "num_downstream")
+
     def __init__(
         self,
         k: int_at_least(2) = 10,

@@ -55,3 +55,20 @@ def test_bad_sizes_are_refused():
     dm.trainer = SimpleNamespace(global_step=0, global_rank=0, world_size=1, accumulate_grad_batches=2)
     with pytest.raises(ConfigError, match="trainer.accumulate_grad_batches"):
         dm.on_after_batch_transfer({"index": torch.zeros(8, dtype=torch.long), "split": "train"}, 0)
+
+
+def test_eval_splits_are_generated_once_per_distribution():
+    # the runs of one experiment differ in loader settings and training-set sizes, not in their test set
+    a = data(batch_size=16)
+    b = MultiViewDataModule(k=3, d=8, P=6, s=1.0, num_pretrain=64, num_downstream=32, seed=2, mode="online",
+                            batch_size=4)
+    for split in ("val", "test"):
+        assert a.full(split)["x"] is b.full(split)["x"]
+    assert data(batch_size=16).full("train")["x"] is not data(batch_size=16).full("train")["x"]
+    other_seed = MultiViewDataModule(k=3, d=8, P=6, s=1.0, num_pretrain=48, seed=3)
+    other_noise = data(sigma_p=0.5)
+    for other in (other_seed, other_noise):
+        assert not torch.equal(other.full("test")["x"], a.full("test")["x"])
+    fresh = MultiViewDataModule(k=3, d=8, P=6, s=1.0, num_pretrain=48, seed=2, num_test=7)
+    assert fresh.full("test")["x"].shape[0] == 7
+    assert torch.equal(fresh.full("test")["x"], a.full("test")["x"][:7])  # a sample is (seed, index)

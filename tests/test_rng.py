@@ -53,3 +53,40 @@ def test_bernoulli_randint_permutation():
 def test_global_normal_is_fixed(dtype):
     a = rng.global_normal(1, 2, (3, 4), dtype=dtype)
     assert a.dtype == dtype and torch.equal(a, rng.global_normal(1, 2, (3, 4), dtype=dtype))
+
+
+def _python_word(seed: int, stream: int, index: int, counter: int) -> int:
+    """The generator's 32-bit word in plain Python integers: the reference for its int32 arithmetic."""
+    def mix(x):
+        x &= 0xFFFFFFFF
+        x = ((x ^ (x >> 16)) * 0x7FEB352D) & 0xFFFFFFFF
+        x = ((x ^ (x >> 15)) * 0x846CA68B) & 0xFFFFFFFF
+        return x ^ (x >> 16)
+    base = mix((seed * 0x9E3779B1 + stream * 0x85EBCA77) & 0xFFFFFFFF)
+    key = mix(mix(base ^ (index & 0xFFFFFFFF)) ^ (index >> 32))
+    return mix((mix(key ^ counter) + key) & 0xFFFFFFFF)
+
+
+def test_words_match_unsigned_32_bit_arithmetic():
+    # the int32 kernels rely on wrapping multiplies and masked shifts; check them against exact integers
+    index = [0, 1, 2**31 - 1, 2**31 + 3, 2**33 + 5]
+    u = rng.uniform(7, 3, torch.tensor(index), (11,), torch.float64)
+    for i, ix in enumerate(index):
+        for c in range(11):
+            assert u[i, c].item() == (_python_word(7, 3, ix, c) >> 8) / 2**24
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_normal_keeps_both_box_muller_outputs_independent(dtype):
+    index = torch.arange(4001)
+    z = rng.normal(1, 6, index, (3, 41), dtype)  # odd count: the last sine output is dropped
+    assert z.dtype == dtype and z.shape == (4001, 3, 41)
+    flat = z.flatten(1).double()
+    half = (flat.shape[1] + 1) // 2
+    cos_half, sin_half = flat[:, : flat.shape[1] - half], flat[:, half:]
+    n = cos_half.numel()
+    assert abs((cos_half * sin_half).mean()) < 5 / math.sqrt(n)  # a pair's two outputs are uncorrelated
+    assert abs((cos_half ** 2 * sin_half ** 2).mean() - 1) < 5 * math.sqrt(8 / n)  # ... and independent
+    for part in (cos_half, sin_half):
+        assert abs(part.mean()) < 5 / math.sqrt(n) and abs(part.var() - 1) < 5 * math.sqrt(2 / n)
+    assert z.abs().max() < 5.8  # 24-bit inputs bound the tails
