@@ -2,6 +2,7 @@
 from featlearn.kernels.activations import Activation, smoothed_relu, smoothed_relu_derivative
 from featlearn.kernels.backend import FLOAT_DTYPES, KernelInputError, check_float_inputs
 from featlearn.kernels.infonce import infonce_grad_closed_form, infonce_reference, infonce_stopgrad
+from featlearn.kernels.masked_attention import masked_attention, masked_attention_reference
 from featlearn.kernels.bn_cosine_loss import bn_column_stats, bn_cosine_loss, bn_cosine_loss_reference
 from featlearn.kernels.patch_activation_sum import PatchSums, patch_activation_sum, patch_activation_sum_reference
 from featlearn.kernels.soft_threshold import soft_threshold_layer, soft_threshold_reference, symmetric_relu
@@ -17,6 +18,8 @@ __all__ = [
     "infonce_reference",
     "infonce_stopgrad",
     "KernelInputError",
+    "masked_attention",
+    "masked_attention_reference",
     "PatchSums",
     "patch_activation_sum",
     "patch_activation_sum_reference",

@@ -28,8 +28,8 @@ def test_op_smoke_checks_times_and_writes(tmp_path):
     wrong.name = "patch_activation_sum (wrong teacher)"
     wrong.variants = [wrong.variants[0], harness.Variant("wrong", _wrong)]
     status, results, files = run(["op", "--size", "smoke", "--op", "patch_activation_sum", "soft_threshold",
-                                  "bn_cosine_loss", "infonce_stopgrad", "--repeats", "2", "--warmup", "1",
-                                  "--device", "cpu", "--out", str(tmp_path)], extra_cases=[wrong])
+                                  "bn_cosine_loss", "infonce_stopgrad", "masked_attention", "--repeats", "2",
+                                  "--warmup", "1", "--device", "cpu", "--out", str(tmp_path)], extra_cases=[wrong])
     assert status == 1  # the injected variant failed
     assert sorted(f.name for f in files) == ["op_smoke_cpu.csv", "op_smoke_cpu.md", "op_smoke_cpu.png"]
     assert all(f.stat().st_size > 0 for f in files)
@@ -37,7 +37,7 @@ def test_op_smoke_checks_times_and_writes(tmp_path):
     assert len(bad) == 1 and not bad[0].passed and bad[0].seconds == []  # refused and not timed
     good = [r for r in results if r.variant != "wrong"]
     assert {r.case for r in good} == {"patch_activation_sum", "patch_activation_sum (wrong teacher)",
-                                      "soft_threshold", "bn_cosine_loss", "infonce_stopgrad"}
+                                      "soft_threshold", "bn_cosine_loss", "infonce_stopgrad", "masked_attention"}
     assert all(r.passed and len(r.seconds) == 2 for r in good), [(r.case, r.variant, r.note) for r in good]
     rows = _rows(files[0])
     assert {r["variant"] for r in rows} >= {"eager", "compiled", "featlearn torch", "wrong"}

@@ -41,6 +41,9 @@ SPARSE = ["--data.d", "8", "--data.d1", "32", "--data.num_val", "64", "--data.nu
 PATCHES = ["--data.dim", "12", "--data.num_patches", "8", "--data.num_feature_patches", "2",
            "--data.num_val", "32", "--data.num_test", "32", "--model.backend", "torch"]
 
+VIT_DATA = ["--data.P", "64", "--data.kappa_c", "0.75", "--data.kappa_s", "0.5", "--data.num_val", "8",
+            "--data.num_test", "8"]
+
 MRP = ["--model.lr", "20", "--model.m", "2", "--model.backend", "torch"]
 NC = ["--model.lr", "0.5", "--model.head_lr", "0.5"]
 
@@ -65,8 +68,14 @@ CASES = {
     # the ranks' gradients, or a module that rescaled them by the world size, would step twice as far
     "noncontrastive_population": ("noncontrastive/with_head_population.yaml", PATCHES + NC, 2, None,
                                   torch.float64),
+    # seed 002 MAE, structured path: each rank's masked-patch loss averages to the global batch's
+    "vit_mae": ("vit/mae.yaml", VIT_DATA + ["--data.K", "3"], 4, 4, torch.float32),
+    # seed 002 CL: every anchor's negatives are the other samples of the GLOBAL batch, gathered from the ranks
+    "vit_cl": ("vit/cl.yaml", VIT_DATA + ["--data.K", "8", "--data.d", "128", "--model.lr", "2000"], 4, 4,
+               torch.float32),
 }
-DEFAULT = ("contrastive", "contrastive_full_batch", "mrp_teacher_student", "noncontrastive_sample")
+DEFAULT = ("contrastive", "contrastive_full_batch", "mrp_teacher_student", "noncontrastive_sample", "vit_mae",
+           "vit_cl")
 
 
 def _free_port() -> int:

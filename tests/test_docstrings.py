@@ -13,7 +13,10 @@ MODULES = ["featlearn.experiments.common", "featlearn.experiments.mrp", "featlea
            "featlearn.theory.noncontrastive", "featlearn.datamodules.two_feature_patches", "featlearn.theory.mrp",
            "featlearn.metrics", "featlearn.metrics.figures", "featlearn.lightning_modules.base",
            "featlearn.kernels.backend", "featlearn.kernels.activations", "featlearn.kernels.infonce", "featlearn.kernels.soft_threshold",
-           "featlearn.kernels.patch_activation_sum", "featlearn.kernels.bn_cosine_loss"]
+           "featlearn.kernels.patch_activation_sum", "featlearn.kernels.bn_cosine_loss",
+           "featlearn.kernels.masked_attention", "featlearn.datamodules.global_local_patches", "featlearn.theory.vit",
+           "featlearn.lightning_modules.vit_mae", "featlearn.lightning_modules.vit_cl",
+           "featlearn.lightning_modules.vit_common"]
 
 
 @pytest.mark.parametrize("name", MODULES)

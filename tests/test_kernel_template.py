@@ -20,6 +20,7 @@ OPS = {
     "soft_threshold": ("soft_threshold_layer", "SoftThresholdFunction", "_soft_threshold"),
     "bn_cosine_loss": ("bn_cosine_loss", "BNCosineLossFunction", "_bn_cosine"),
     "infonce": ("infonce_stopgrad", "InfoNCEStopGradFunction", None),
+    "masked_attention": ("masked_attention", "MaskedAttentionFunction", "_masked_attn"),
 }
 SHARED = {"backend", "activations"}  # helper modules, not ops
 

@@ -17,6 +17,7 @@ from featlearn.bench.harness import COMPILED, EAGER, Case, Variant
 from featlearn.kernels import (Activation, smoothed_relu, bn_cosine_loss, bn_cosine_loss_reference, infonce_reference,
                                infonce_stopgrad, patch_activation_sum, patch_activation_sum_reference,
                                soft_threshold_layer, soft_threshold_reference)
+from featlearn.kernels.masked_attention import masked_attention
 
 SIZES = ("smoke", "tiny", "medium")
 
@@ -32,7 +33,11 @@ BN = {"smoke": [dict(N=64, m=2)], "tiny": [dict(N=4096, m=2), dict(N=4096, m=64)
       "medium": [dict(N=4096, m=2), dict(N=4096, m=1024)]}
 # infonce_stopgrad (spec 001 1.4): K anchors, N shared negatives, m features
 INFONCE = {"smoke": dict(K=16, N=24, m=8), "tiny": dict(K=256, N=256, m=128), "medium": dict(K=1024, N=4096, m=1024)}
-OPS = ("patch_activation_sum", "soft_threshold", "bn_cosine_loss", "infonce_stopgrad")
+# masked_attention (spec 002 7.1, MAE dense path): B samples, P keys, Pq = gamma P masked queries (shared rows
+# gathered by index, gamma = 0.75), d = dv; medium ends at the spec's worked example
+ATTN = {"smoke": [dict(B=2, P=24, Pq=18, d=40)], "tiny": [dict(B=8, P=256, Pq=192, d=320)],
+        "medium": [dict(B=64, P=256, Pq=192, d=320), dict(B=64, P=1024, Pq=768, d=1152)]}
+OPS = ("patch_activation_sum", "soft_threshold", "bn_cosine_loss", "infonce_stopgrad", "masked_attention")
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -205,9 +210,63 @@ def infonce_case(size: str, device: torch.device) -> Case:
     return Case("infonce_stopgrad", f"K={K} N={N} m={m}", variants, inputs, infonce_eager)
 
 
+# ------------------------------------------------------------------------------------------------
+def _attn_eager_forward(rows, idx, keys, values):
+    """What a user writes (spec 7.1 item 8): gather the masked queries' rows, GEMM, softmax, GEMM."""
+    return torch.softmax(rows[idx] @ keys.transpose(1, 2), dim=-1) @ values
+
+
+def _attn_sdpa_forward(rows, idx, keys, values):
+    """SDPA's math backend with the same semantics: per-sample queries expanded from the shared rows, scale 1."""
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        return torch.nn.functional.scaled_dot_product_attention(rows[idx], keys, values, scale=1.0)
+
+
+def _attn_outputs(out, inp, backward):
+    return (out.detach(), *_grads((out * inp["g"]).sum(), [inp["rows"]])) if backward else (out.detach(),)
+
+
+def attn_eager(inp, backward, forward=_attn_eager_forward):
+    return _attn_outputs(forward(inp["rows"], inp["idx"], inp["keys"], inp["values"]), inp, backward)
+
+
+def attn_featlearn(inp, backward, backend):
+    out, _ = masked_attention(inp["rows"], inp["keys"], inp["values"], inp["idx"], backend=backend,
+                              input_precision="ieee")
+    return _attn_outputs(out, inp, backward)
+
+
+def attn_cases(size: str, device: torch.device) -> list[Case]:
+    """Forward, and forward + backward (the gradient of the shared rows: the data needs none), per shape."""
+    cases = []
+    for shape in ATTN[size]:
+        B, P, Pq, d = (shape[k] for k in ("B", "P", "Pq", "d"))
+
+        def inputs(dtype, dev, seed, B=B, P=P, Pq=Pq, d=d):
+            g = _gen(seed)
+            return {"rows": _randn(g, P, d, dtype=dtype, device=dev, scale=2 * d ** -0.5).requires_grad_(True),
+                    "idx": torch.rand(B, P, generator=g).argsort(1)[:, :Pq].to(dev),  # the masked positions
+                    "keys": _randn(g, B, P, d, dtype=dtype, device=dev),
+                    "values": _randn(g, B, P, d, dtype=dtype, device=dev),
+                    "g": _randn(g, B, Pq, d, dtype=dtype, device=dev)}
+
+        # model FLOPs: the forward's two GEMMs, the backward's two (dO V^T, dS K); the fused backward also
+        # recomputes S (+2 B Pq P d), not counted
+        gflop = 4 * B * Pq * P * d / 1e9
+        for backward, what in ((False, f"fwd {gflop:.3g} GFLOP"), (True, f"fwd+bwd {2 * gflop:.3g} GFLOP")):
+            eager = functools.partial(attn_eager, backward=backward)
+            variants = _variants(eager, _attn_eager_forward, functools.partial(attn_featlearn, backward=backward),
+                                 device)
+            variants.append(Variant("sdpa math", functools.partial(attn_eager, backward=backward,
+                                                                   forward=_attn_sdpa_forward)))
+            cases.append(Case("masked_attention", f"B={B} P={P} Pq={Pq} d={d}, {what}", variants, inputs, eager))
+    return cases
+
+
 def cases(ops: list[str], size: str, device: torch.device) -> list[Case]:
     build = {"patch_activation_sum": lambda: [patch_case(size, device)],
              "soft_threshold": lambda: [soft_case(size, device)],
              "bn_cosine_loss": lambda: bn_cases(size, device),
-             "infonce_stopgrad": lambda: [infonce_case(size, device)]}
+             "infonce_stopgrad": lambda: [infonce_case(size, device)],
+             "masked_attention": lambda: attn_cases(size, device)}
     return [case for op in ops for case in build[op]()]

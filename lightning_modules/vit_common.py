@@ -1,0 +1,179 @@
+"""What the seed-002 ViT methods share: the ground truth they read from the data, the correlation and
+attention metrics of spec 5.1, the running minimum of ``phi_local_to_global`` and the attention figures.
+
+``ViTMAE`` (:mod:`featlearn.lightning_modules.vit_mae`) and ``ViTCL`` (:mod:`featlearn.lightning_modules.vit_cl`)
+subclass :class:`GlobalLocalViT`; the only trainable parameter is ``Q`` (or, on the MAE structured path, its
+exact reduction ``(Phi, Upsilon)``), initialised to 0.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from featlearn.datamodules.global_local_patches import GlobalLocalPatchDataModule
+from featlearn.lightning_modules.base import FeatureLearningModule
+from featlearn.metrics import to_host
+from featlearn.metrics.figures import heatmap_figure, tensorboard_writer
+
+FIGURE_EVERY = 4  # attention figures and histograms on every 4th logged step (and at the end of training)
+
+
+def attention_metrics(A: torch.Tensor, own: torch.Tensor, visible: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Spec 5.1 attention summaries from the area attention ``A [B, Pq, N + 1]`` (unmasked areas, then the
+    masked keys), the area ``own [B, Pq]`` of each query (0 = global) and ``visible [B, Pq]`` (the query's own
+    area has an unmasked patch, the event ``E_{k,n}`` of Lemma D.6). Device tensors, no host sync.
+
+    ``attn_own_local`` / ``attn_own_global``: own-area attention of local / global queries
+    (``attn_own_local_visible``: on the visible event only); ``attn_glob_from_local``: local queries'
+    attention to the global area (``attn_glob_all``: every query's); ``attn_to_masked``;
+    ``attn_other_local``: local queries' largest attention to another local area.
+
+    Example:
+        >>> A = torch.tensor([[[0.2, 0.7, 0.0, 0.1], [0.9, 0.0, 0.0, 0.1]]])
+        >>> m = attention_metrics(A, torch.tensor([[1, 0]]), torch.tensor([[True, True]]))
+        >>> round(float(m["attn_own_local"]), 3), round(float(m["attn_own_global"]), 3)
+        (0.7, 0.9)
+    """
+    N = A.shape[-1] - 1
+    own_attn = A.gather(-1, own.unsqueeze(-1)).squeeze(-1)
+    local = own > 0
+    other = A[..., 1:N].clone()
+    other.scatter_(-1, (own - 1).clamp_min(0).unsqueeze(-1), 0.0)  # drop the own area (global queries: area 1's
+    other_max = other.amax(-1) if N > 1 else torch.zeros_like(own_attn)  # slot is never read, they are not local)
+
+    def mean(values, where):
+        w = where.to(values.dtype)
+        return (values * w).sum() / w.sum().clamp_min(1.0)
+
+    return {"attn_own_local": mean(own_attn, local), "attn_own_local_visible": mean(own_attn, local & visible),
+            "attn_own_global": mean(own_attn, ~local), "attn_glob_from_local": mean(A[..., 0], local),
+            "attn_glob_all": A[..., 0].mean(), "attn_to_masked": A[..., N].mean(),
+            "attn_other_local": mean(other_max, local)}
+
+
+def area_matrix(A: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
+    """Mean area attention by the query's area: ``[N, N + 1]`` (rows: query area, columns: key area, then
+    masked keys), pooled over samples and clusters (area 0 is global in every cluster)."""
+    N1 = A.shape[-1]
+    sums = torch.zeros(N1 - 1, N1, dtype=A.dtype, device=A.device).index_add_(0, own.reshape(-1), A.reshape(-1, N1))
+    counts = torch.bincount(own.reshape(-1), minlength=N1 - 1).to(A.dtype)
+    return sums / counts.clamp_min(1.0).unsqueeze(-1)
+
+
+class GlobalLocalViT(FeatureLearningModule):
+    """Base of the seed-002 methods: reads the data once (:meth:`build_common`), computes the feature
+    correlations ``Phi = E Q V^T`` metrics and tracks ``min_t phi_local_to_global`` on every step."""
+
+    datamodule_class = GlobalLocalPatchDataModule
+    heatmap_axes = ("position p (sorted by its area in cluster 0)", "feature v_{k,m} (k N + m)")
+    # Both losses are bounded (attention outputs are convex combinations of bounded patches), the MAE batch
+    # loss is heavy-tailed near its floor (a batch with a fully masked area costs 1/2 z^2 per patch of it), and
+    # the weights start at 0 and grow by orders of magnitude: only non-finite values mean divergence here.
+    blowup_factors = {"loss": None, "weight_norm": None}
+
+    def build_common(self, dm: GlobalLocalPatchDataModule) -> None:
+        self.P, self.K, self.d, self.n_areas = dm.P, dm.K, dm.d, dm.n_areas
+        self.C_1, self.C_s, self.delta_eff = dm.C_1, dm.C_s, dm.delta_eff
+        self.z_moments = dm.z_moments
+        self.param_dtype = dm.dtype
+        self.heatmap_scale = float(math.ceil(math.log(dm.P)))  # own-area correlations end near log(P / eps)
+        self.register_ground_truth("E", dm.E)
+        self.register_ground_truth("V", dm.V)
+        self.register_ground_truth("partition", dm.partition)
+        # positions sorted by their area in cluster 0: the heat maps' row order
+        self.register_ground_truth("row_order", torch.argsort(dm.partition[0], stable=True))
+        self.register_buffer("phi_l2g_min", torch.zeros((), dtype=torch.float64))
+        self.register_buffer("phi_l2g_argmin", torch.zeros((), dtype=torch.float64))
+        self.register_buffer("phi_local_own_step1", torch.zeros((), dtype=torch.float64))
+        self._last_batch: dict | None = None
+
+    # --- correlations -----------------------------------------------------------------------------
+    def query_rows(self) -> torch.Tensor:
+        """``W = E Q`` ``[P, d]``: the rows a query at position p uses (``e_p^T Q``)."""
+        raise NotImplementedError
+
+    def correlations(self) -> torch.Tensor:
+        """FP correlations ``Phi_{p -> v_{k,m}} = e_p^T Q v_{k,m}`` ``[P, K N]``."""
+        return self.query_rows().detach() @ self.V.T
+
+    def phi_parts(self, phi: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """Own-area, to-global and other-area correlations of every (cluster, position): ``own``, ``glob``
+        ``[K, P]``, ``local`` mask ``[K, P]``, ``other_absmax`` and ``local_features_absmean`` (the mean of
+        ``|Phi_{p -> v_{k,m}}|`` over every position and local feature m > 0; scalars)."""
+        phi = self.correlations() if phi is None else phi
+        P, K, N = self.P, self.K, self.n_areas
+        phi3 = phi.view(P, K, N).transpose(0, 1)                          # [K, P, N]
+        own = phi3.gather(-1, self.partition.unsqueeze(-1)).squeeze(-1)
+        keep = torch.ones_like(phi3, dtype=torch.bool)
+        keep.scatter_(-1, self.partition.unsqueeze(-1), False)
+        keep[..., 0] = False
+        other = (phi3.abs() * keep).amax() if N > 1 else phi3.new_zeros(())
+        local_abs = phi3[..., 1:].abs().mean() if N > 1 else phi3.new_zeros(())
+        return {"own": own, "glob": phi3[..., 0], "local": self.partition > 0, "other_absmax": other,
+                "local_features_absmean": local_abs}
+
+    def phi_metrics(self) -> dict[str, torch.Tensor]:
+        """Spec 5.1: ``phi_global_own``, ``phi_local_own``, ``phi_local_to_global`` (with its running minimum
+        and the step of that minimum), ``phi_other_absmax``, ``phi_local_features_absmean`` (device tensors)."""
+        parts = self.phi_parts()
+        local = parts["local"]
+        return {"phi_global_own": parts["own"][~local].mean(), "phi_local_own": parts["own"][local].mean(),
+                "phi_local_to_global": parts["glob"][local].mean(), "phi_other_absmax": parts["other_absmax"],
+                "phi_local_features_absmean": parts["local_features_absmean"],
+                "phi_local_to_global_min": self.phi_l2g_min, "phi_local_to_global_argmin_step": self.phi_l2g_argmin}
+
+    @torch.no_grad()
+    def track_phi(self, step: int) -> None:
+        """Running minimum of ``phi_local_to_global`` and its step, on the device (no host sync)."""
+        parts = self.phi_parts()
+        now = parts["glob"][parts["local"]].mean().to(torch.float64)
+        lower = now < self.phi_l2g_min
+        self.phi_l2g_min.copy_(torch.where(lower, now, self.phi_l2g_min))
+        self.phi_l2g_argmin.copy_(torch.where(lower, torch.full_like(now, float(step)), self.phi_l2g_argmin))
+        if step == 1:  # eta alpha^(0): how far the first step moved the local own-area correlation (spec A7)
+            self.phi_local_own_step1.copy_(parts["own"][parts["local"]].mean())
+
+    def heatmaps(self) -> dict[str, torch.Tensor]:
+        return {"correlation": self.correlations()[self.row_order]}
+
+    # --- logging ------------------------------------------------------------------------------------
+    def log_metrics(self, metrics: dict[str, torch.Tensor], prefix: str = "") -> None:
+        host = to_host({k: v.detach().reshape(()) for k, v in metrics.items()})
+        self.log_dict({prefix + k: float(v) for k, v in host.items()}, on_step=prefix != "val/",
+                      on_epoch=prefix == "val/")
+
+    def figures_due(self) -> bool:
+        trainer = self._trainer
+        return trainer is not None and (self.global_step // max(1, trainer.log_every_n_steps)) % FIGURE_EVERY == 0
+
+    def log_attention_figures(self, A: torch.Tensor, own: torch.Tensor, sample_map: torch.Tensor,
+                              sample_vmax: float) -> None:
+        """The area-level attention matrix and one sample's query x key attention (sorted by area), with
+        fixed colour scales, and histograms of the own-area and to-global correlations."""
+        writer = tensorboard_writer(self._trainer)
+        if writer is None:
+            return
+        step = self.global_step
+        self.log_figure("attention/areas", heatmap_figure(
+            area_matrix(A.detach(), own), xlabel="key area (0 = global; last column: masked keys)",
+            ylabel="query area (0 = global)", vmax=1.0, diverging=False, title=f"mean area attention, step {step}"))
+        self.log_figure("attention/sample", heatmap_figure(
+            sample_map, xlabel="key patch (sorted by area)", ylabel="query patch (sorted by area)", vmax=sample_vmax,
+            diverging=False, title=f"attention of one sample, step {step}"))
+        parts = self.phi_parts()
+        local = parts["local"]
+        for name, values in (("phi/own_local", parts["own"][local]), ("phi/own_global", parts["own"][~local]),
+                             ("phi/local_to_global", parts["glob"][local])):
+            writer.add_histogram(name, values.detach().float().cpu(), step)
+
+    @staticmethod
+    def sorted_map(attn: torch.Tensor, area: torch.Tensor) -> torch.Tensor:
+        """A ``[P, P]`` attention matrix of one sample with queries and keys sorted by area."""
+        order = torch.argsort(area, stable=True)
+        return attn[order][:, order]
+
+    def final_common(self) -> dict[str, float]:
+        host = to_host({"min": self.phi_l2g_min, "argmin": self.phi_l2g_argmin, "step1": self.phi_local_own_step1})
+        return {"phi_local_to_global_min": float(host["min"]), "phi_local_to_global_argmin_step": float(host["argmin"]),
+                "eta_alpha0_local": float(host["step1"]), "delta_eff": float(self.delta_eff)}

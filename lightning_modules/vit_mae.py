@@ -1,0 +1,284 @@
+"""Masked autoencoding with a one-layer softmax ViT (seed 002, spec sections 2.1, 3.1, 4.1-4.2, 7.1-7.2).
+
+The masked input ``M(X)`` (exactly ``round(gamma P)`` patches replaced by 0) plus the fixed positional
+encodings, ``X~ = M(X) + E``, gives keys and queries; the values are ``M(X)`` (no E). One trainable matrix
+``Q`` (``W_Q^T W_K``), initialised to 0, no ``1/sqrt(d)`` scale; every key (masked ones too, value 0) takes
+part in the softmax. The loss reconstructs the masked patches only::
+
+    L = 1/2 mean_b sum_{p in M} || sum_q softmax_q(X~_p^T Q X~_q) M(X)_q - X_p ||^2
+
+trained by plain SGD (``lr = eta``, no momentum) on fresh samples every step. A masked query is ``e_p``,
+so only the positional rows ``E Q`` ever change, and the logits are exactly
+``s_pq = 1{q in U} z_q Phi[p, f(q)] + Upsilon[p, q]`` with ``Phi = E Q V^T``, ``Upsilon = E Q E^T``.
+
+Two paths (``path``):
+
+* ``structured`` (default, the CPU path and the oracle): the parameters are ``Phi [P, K N]`` and
+  ``Upsilon [P, P]`` themselves; cost ``O(B gamma P^2)``, no ``d``. SGD on them is SGD on ``Q`` exactly
+  (the gradient of ``Q`` lies in their span and the bases are orthonormal), so both paths follow the
+  same trajectory; noiseless data only.
+* ``dense``: ``Q [d, d]``, shared query rows ``Y = E Q`` and the fused op
+  :func:`featlearn.kernels.masked_attention.masked_attention` with the masked positions as ``query_index``.
+
+Metrics (spec 5.1) every ``trainer.log_every_n_steps`` steps: the masked queries' area attention, the
+correlations ``Phi`` and ``Upsilon``, the loss split into local and global masked patches against the floor
+(:func:`featlearn.theory.vit.loss_floor`); attention figures every 4th logged step.
+
+Example:
+    >>> from featlearn.datamodules.global_local_patches import GlobalLocalPatchDataModule
+    >>> dm = GlobalLocalPatchDataModule(P=64, K=2, kappa_c=0.75, kappa_s=0.5, batch_size=8)
+    >>> model = ViTMAE(gamma=0.5).attach(dm)
+    >>> loss = model.batch_loss(dm.batch(torch.arange(8), "train"))[0]
+    >>> loss.backward(); float(model.phi.grad.abs().sum()) > 0
+    True
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from featlearn.errors import ConfigError
+from featlearn.kernels.masked_attention import masked_attention
+from featlearn.lightning_modules.vit_common import GlobalLocalViT, attention_metrics
+from featlearn.metrics.figures import tensorboard_writer
+from featlearn.theory.vit import area_loss, eta_mae, init_values, loss_floor, patch_vectors
+from featlearn.validation import OpenUnitInterval, PositiveFloat, check_args, check_memory
+
+__all__ = ["ViTMAE"]
+
+
+class ViTMAE(GlobalLocalViT):
+    """One-layer softmax ViT trained by masked autoencoding (module docstring).
+
+    Args:
+        gamma: masking ratio (``round(gamma P)`` masked patches per sample).
+        lr: SGD step ``eta`` (``null``: spec 4.4's ``0.02 K P / (gamma (1 - gamma) C_s E[z^3])``).
+        path: ``structured`` (exact reduced parameters, CPU default) or ``dense`` (``Q [d, d]``, fused op).
+        masked_keys: ``include`` (the paper) or ``exclude`` (ablation: masked keys leave the softmax).
+        backend: backend of the fused op on the dense path (``auto``: Triton on CUDA).
+        input_precision: its Triton dot precision (``ieee`` default: the correlations must match the
+            structured path; ``tf32`` for speed).
+    """
+
+    def __init__(
+        self,
+        gamma: OpenUnitInterval = 0.75,
+        lr: PositiveFloat | None = None,
+        path: Literal["structured", "dense"] = "structured",
+        masked_keys: Literal["include", "exclude"] = "include",
+        backend: Literal["auto", "torch", "triton"] = "auto",
+        input_precision: Literal["auto", "tf32", "ieee"] = "ieee",
+    ):
+        check_args("model", ViTMAE.__init__, locals())
+        super().__init__()
+        self.save_hyperparameters()
+        self.gamma, self.path, self.masked_keys = float(gamma), path, masked_keys
+        self.backend, self.input_precision = backend, input_precision
+
+    # --- parameters ---------------------------------------------------------------------------
+    def build(self, dm) -> None:
+        if self.path == "structured" and dm.noise_var_arg:
+            raise ConfigError("model.path", "'dense' with noisy data (data.noise_var > 0): the structured "
+                                            "parametrisation is exact for noiseless data only", self.path)
+        dm.use_mae_masks(self.gamma)
+        self.build_common(dm)
+        self.n_masked = dm.n_masked
+        same = torch.zeros(dm.P, dm.P, dtype=torch.bool)
+        for part in dm.partition:  # one cluster at a time: no (K, P, P) tensor
+            same |= part.unsqueeze(-1) == part.unsqueeze(0)
+        self.register_ground_truth("same_area", same)  # pairs in one area of some cluster (Upsilon summaries)
+        P, KN, d = dm.P, dm.K * dm.n_areas, dm.d
+        B = dm.batch_size or dm.sizes["train"]
+        item = dm.dtype.itemsize
+        if self.path == "structured":
+            # parameters and gradients, per step the (B, Pq, P) logits, probabilities and their gradients
+            needed = item * (2 * (P * KN + P * P) + 6 * B * self.n_masked * P)
+            what = "Phi, Upsilon and one step's (B, Pq, P) attention"
+        else:
+            # Q and its gradient, per step x, the keys and the masked input (B, P, d) and the outputs (B, Pq, d)
+            needed = item * (2 * d * d + 3 * B * P * d + 3 * B * self.n_masked * d)
+            what = f"Q ({d} x {d}) and one step's (B, P, d) patches"
+        check_memory("data", type(dm), {"batch_size": B, "P": P}, needed, what)
+        if self.path == "structured":
+            self.phi = torch.nn.Parameter(torch.zeros(P, KN, dtype=dm.dtype))
+            self.upsilon = torch.nn.Parameter(torch.zeros(P, P, dtype=dm.dtype))
+        else:
+            self.Q = torch.nn.Parameter(torch.zeros(d, d, dtype=dm.dtype))
+        self.lr = self.hparams.lr if self.hparams.lr is not None else eta_mae(
+            dm.P, dm.K, dm.C_s, self.gamma, self.z_moments[2])
+        self.floor = loss_floor(dm.P, dm.C_1, dm.C_s, dm.n_local, self.n_masked, self.z_moments[1])
+        self.init = init_values(dm.P, dm.C_1, dm.C_s, self.n_masked, masked_query=True)
+        # colour scale of the one-sample attention map: twice what a query gives each unmasked patch of its
+        # own local area once it attends to that area only
+        self.sample_vmax = min(1.0, 2.0 / max(1.0, (1 - self.gamma) * dm.C_s))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.0, weight_decay=0.0)
+
+    def query_rows(self) -> torch.Tensor:
+        if self.path == "dense":
+            return self.E @ self.Q
+        return self.upsilon @ self.E + self.phi @ self.V
+
+    def Q_matrix(self) -> torch.Tensor:
+        """The ``d x d`` matrix of either path: ``E^T (E Q)`` (the content rows of Q are 0 on both)."""
+        return self.E.T @ self.query_rows()
+
+    def correlations(self) -> torch.Tensor:
+        return self.phi.detach().clone() if self.path == "structured" else super().correlations()
+
+    def pp_correlations(self) -> torch.Tensor:
+        """PP correlations ``Upsilon = E Q E^T`` ``[P, P]``."""
+        return self.upsilon.detach().clone() if self.path == "structured" else self.query_rows().detach() @ self.E.T
+
+    def heatmaps(self) -> dict[str, torch.Tensor]:
+        order = self.row_order
+        return {"correlation": self.correlations()[order], "upsilon": self.pp_correlations()[order][:, order]}
+
+    # --- the model ------------------------------------------------------------------------------
+    def structured_attention(self, batch: dict, query_pos: torch.Tensor) -> torch.Tensor:
+        """Attention ``[B, Pq, P]`` of the queries at ``query_pos [B, Pq]`` from the reduced logits
+        ``s_pq = 1{q in U} z_q Phi[p, f(q)] + Upsilon[p, q]`` (spec 3.1(3))."""
+        area, mask = batch["area"], batch["mask"]
+        P, K, N = self.P, self.K, self.n_areas
+        phi_sel = self.phi.view(P, K, N)[query_pos, batch["cluster"].unsqueeze(-1)]          # [B, Pq, N]
+        key_weight = torch.nn.functional.one_hot(area, N).to(phi_sel.dtype) * (batch["z"] * ~mask).unsqueeze(-1)
+        s = torch.baddbmm(torch.nn.functional.embedding(query_pos, self.upsilon), phi_sel, key_weight.transpose(1, 2))
+        if self.masked_keys == "exclude":
+            s = s.masked_fill(mask.unsqueeze(1), float("-inf"))
+        return torch.softmax(s, dim=-1)
+
+    def key_groups(self, batch: dict) -> torch.Tensor:
+        """``[B, P]`` area of every unmasked key, ``N`` for masked keys (the op's ``key_groups``)."""
+        return torch.where(batch["mask"], self.n_areas, batch["area"])
+
+    def batch_loss(self, batch: dict, with_areas: bool = False) -> tuple[torch.Tensor, torch.Tensor,
+                                                                        torch.Tensor | None]:
+        """``(L, per-query loss [B, Pq], area attention [B, Pq, N + 1] or None)`` of one batch; the area
+        attention always on the structured path (it carries the loss), on the dense path when asked."""
+        query_pos = batch["masked_idx"]
+        own = batch["area"].gather(1, query_pos)
+        if self.path == "structured":
+            attn = self.structured_attention(batch, query_pos)
+            groups = torch.nn.functional.one_hot(self.key_groups(batch), self.n_areas + 1).to(attn.dtype)
+            A = attn @ groups
+            per_query = area_loss(A, batch["z_area"], own)
+        else:
+            x = patch_vectors(batch["feat_id"], batch["z"], self.V)
+            if "noise" in batch:
+                x = x + batch["noise"]
+            masked_x = x.masked_fill(batch["mask"].unsqueeze(-1), 0.0)
+            out, A = masked_attention(
+                self.E @ self.Q, masked_x + self.E, masked_x, query_index=query_pos,
+                key_padding_mask=batch["mask"] if self.masked_keys == "exclude" else None,
+                key_groups=self.key_groups(batch) if with_areas else None, n_groups=self.n_areas + 1 if with_areas else 0,
+                backend=self.backend, input_precision=self.input_precision)
+            target = x.gather(1, query_pos.unsqueeze(-1).expand(-1, -1, self.d))
+            per_query = 0.5 * (out - target).square().sum(-1)
+        return per_query.sum(1).mean(), per_query, A
+
+    def metrics(self, batch: dict, per_query: torch.Tensor, A: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Attention and loss metrics of one batch (device tensors)."""
+        query_pos, mask, area = batch["masked_idx"], batch["mask"], batch["area"]
+        own = area.gather(1, query_pos)
+        unmasked_count = torch.zeros(area.shape[0], self.n_areas, dtype=torch.int64, device=area.device)
+        unmasked_count.scatter_add_(1, area, (~mask).long())
+        visible = unmasked_count.gather(1, own) > 0
+        out = attention_metrics(A.detach(), own, visible)
+        local = (own > 0).to(per_query.dtype)
+        pq = per_query.detach()
+        out["loss_per_patch"] = pq.mean()
+        out["loss_local"] = (pq * local).sum() / local.sum().clamp_min(1.0)
+        out["loss_global"] = (pq * (1 - local)).sum() / (1 - local).sum().clamp_min(1.0)
+        return out
+
+    def upsilon_metrics(self) -> dict[str, torch.Tensor]:
+        """Spec 5.1 PP summaries: mean / max ``|Upsilon|`` over same-area pairs (any cluster), the diagonal
+        and the other pairs."""
+        ups = self.pp_correlations().abs()
+        diag = torch.eye(self.P, dtype=torch.bool, device=ups.device)
+        same = self.same_area & ~diag
+        rest = ~(same | diag)
+        out = {}
+        for name, where in (("same_area", same), ("diag", diag), ("other", rest)):
+            values = ups[where] if bool(where.any()) else ups.new_zeros(1)
+            out[f"upsilon_{name}_absmean"], out[f"upsilon_{name}_absmax"] = values.mean(), values.max()
+        return out
+
+    # --- Lightning hooks ------------------------------------------------------------------------
+    def training_step(self, batch, batch_idx):
+        due = self.theory_due()
+        loss, per_query, A = self.batch_loss(batch, with_areas=due)
+        self._last_batch = batch
+        if due and self._trainer is not None:
+            met = {"loss/train": loss.detach(), **{f"attn/{k}" if k.startswith("attn") else f"loss/{k}": v
+                                                   for k, v in self.metrics(batch, per_query, A).items()}}
+            met.update({f"loss/{k}": torch.tensor(v) for k, v in self.floor.items()})  # beside the curves
+            self.log_metrics(met)
+            if self.figures_due():
+                self._log_figures(batch, A)
+        return loss
+
+    def finish_step(self, step: int) -> None:
+        self.track_phi(step)
+        if self._trainer is not None and self.theory_due():
+            met = {f"corr/{k}": v for k, v in {**self.phi_metrics(), **self.upsilon_metrics()}.items()}
+            self.log_metrics(met)
+
+    def validation_step(self, batch, batch_idx):
+        loss, per_query, A = self.batch_loss(batch, with_areas=True)
+        met = {"loss": loss, **self.metrics(batch, per_query, A)}
+        self.log_metrics(met, prefix="val/")
+
+    def on_train_end(self) -> None:
+        if self._last_batch is not None and tensorboard_writer(self._trainer) is not None:
+            with torch.no_grad():
+                _, _, A = self.batch_loss(self._last_batch, with_areas=True)
+            self._log_figures(self._last_batch, A)
+        super().on_train_end()
+
+    @torch.no_grad()
+    def _log_figures(self, batch: dict, A: torch.Tensor) -> None:
+        one = {k: v[:1] for k, v in batch.items() if torch.is_tensor(v) and v.dim() >= 1}
+        attn = self.attention_of_all_queries(one)[0]
+        own = batch["area"].gather(1, batch["masked_idx"])
+        self.log_attention_figures(A, own, self.sorted_map(attn, one["area"][0]), self.sample_vmax)
+
+    @torch.no_grad()
+    def attention_of_all_queries(self, batch: dict) -> torch.Tensor:
+        """``[B, P, P]`` attention of every position as a query on the masked input (an unmasked query has
+        the masked one's logits, spec 3.1(2)); for figures of a few samples."""
+        B = batch["area"].shape[0]
+        every = torch.arange(self.P, device=self.E.device).expand(B, -1)
+        if self.path == "structured":
+            return self.structured_attention(batch, every)
+        x = patch_vectors(batch["feat_id"], batch["z"], self.V).masked_fill(batch["mask"].unsqueeze(-1), 0.0)
+        s = (self.E @ self.Q) @ (x + self.E).transpose(1, 2)
+        if self.masked_keys == "exclude":
+            s = s.masked_fill(batch["mask"].unsqueeze(1), float("-inf"))
+        return torch.softmax(s, dim=-1)
+
+    def final_metrics(self) -> dict[str, float]:
+        """Own-area attention of local and global masked queries, local queries' attention to the global
+        area, the final loss and the floor (per masked patch), the dip of ``phi_local_to_global`` and the
+        init references, on the last training batch with the final parameters."""
+        if self._last_batch is None:
+            return {}
+        with torch.no_grad():
+            loss, per_query, A = self.batch_loss(self._last_batch, with_areas=True)
+            met = self.metrics(self._last_batch, per_query, A)
+            met.update(self.phi_metrics())
+        host = {k: float(v) for k, v in zip(met, torch.stack([v.detach().reshape(()).double() for v in met.values()]).tolist())}
+        return {"own_area_local": host["attn_own_local_visible"], "own_area_local_all": host["attn_own_local"],
+                "own_area_global": host["attn_own_global"], "attn_global": host["attn_glob_from_local"],
+                "attn_to_masked": host["attn_to_masked"], "attn_other_local": host["attn_other_local"],
+                "final_loss": host["loss_per_patch"], "loss_floor": self.floor["floor"],
+                "loss_local": host["loss_local"], "loss_global": host["loss_global"],
+                "loss_floor_local": self.floor["floor_local"], "loss_floor_global": self.floor["floor_global"],
+                "phi_local_own": host["phi_local_own"], "phi_global_own": host["phi_global_own"],
+                "phi_local_to_global": host["phi_local_to_global"], "phi_other_absmax": host["phi_other_absmax"],
+                "phi_local_features_absmean": host["phi_local_features_absmean"],
+                "init_attn_own_local": self.init["attn_own_local"], "init_attn_own_global": self.init["attn_own_global"],
+                "lr": float(self.lr), **self.final_common()}
+
