@@ -2,6 +2,7 @@
 from featlearn.callbacks.checkpoint import FinalCheckpoint
 from featlearn.callbacks.divergence import DivergenceGuard
 from featlearn.callbacks.heatmap import HeatmapLogger
+from featlearn.callbacks.profiling import StepProfiler
 from featlearn.callbacks.progress import StepProgressBar
 
-__all__ = ["DivergenceGuard", "FinalCheckpoint", "HeatmapLogger", "StepProgressBar"]
+__all__ = ["DivergenceGuard", "FinalCheckpoint", "HeatmapLogger", "StepProfiler", "StepProgressBar"]

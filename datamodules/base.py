@@ -253,7 +253,8 @@ class SyntheticDataModule(L.LightningDataModule):
         split, index = batch["split"], batch["index"]
         if split == "train":
             index = self._train_index(index)
-        return self.batch(index, split)
+        with torch.profiler.record_function("featlearn.data"):  # a phase of `featlearn profile`'s trace
+            return self.batch(index, split)
 
     def _train_index(self, local: torch.Tensor) -> torch.Tensor:
         """Sample indices of this rank's training batch, a function of (global step, rank) only.

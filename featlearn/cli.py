@@ -4,6 +4,8 @@ Usage:
     lightning fit --config configs/mrp/teacher_student.yaml
     lightning fit --config configs/mrp/teacher_student.yaml --print_config   # every default
     lightning validate --config ... --ckpt_path path/to/last.ckpt
+    featlearn bench op|step ...                                            # featlearn/bench
+    featlearn profile --config configs/mrp/teacher_student.yaml --steps 10   # featlearn/profile.py
 
 Every run gets a :class:`~featlearn.callbacks.DivergenceGuard`, a
 :class:`~featlearn.callbacks.HeatmapLogger` (``--heatmap.every_n_steps``) and a
@@ -229,6 +231,12 @@ def main(args=None) -> None:
         from featlearn.bench.cli import main as bench_main
 
         bench_main(argv[1:])
+        return
+    if argv[:1] == ["profile"]:  # a torch.profiler trace of a few steps of a config (featlearn/profile.py)
+        from featlearn.profile import main as profile_main
+
+        profile_main(argv[1:])
+        return
     try:
         make_cli(args)
     except ConfigError as err:

@@ -10,6 +10,7 @@ the dtype given and the allowed dtypes. Half precision is refused rather than up
 feature-learning signals these ops carry are ~1e-2 relative and would drown in fp16/bf16 rounding.
 """
 import contextlib
+import functools
 import math
 import os
 
@@ -44,6 +45,18 @@ class KernelInputError(ConfigError):
 
     def __reduce__(self):  # the message is derived, so rebuild from the parts (spawned workers pickle errors)
         return type(self), (self.op, self.field, self.problem, self.allowed, self.got)
+
+
+def profiled(op):
+    """Give every call of the public function ``op`` a ``featlearn.kernels.<name>`` range in profiler
+    traces (``featlearn profile``); its backward shows as the autograd Function's node."""
+    name = f"featlearn.kernels.{op.__name__}"
+
+    @functools.wraps(op)
+    def call(*args, **kwargs):
+        with torch.profiler.record_function(name):
+            return op(*args, **kwargs)
+    return call
 
 
 def check_float_inputs(op: str, **tensors: torch.Tensor | None) -> torch.dtype:

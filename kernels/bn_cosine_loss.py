@@ -430,6 +430,7 @@ def _check_rows(op, p, out_norm, sync):
         raise KernelInputError(op, "p", f"has {n} row{'' if n == 1 else 's'}", requirement, n)
 
 
+@kb.profiled
 def bn_cosine_loss(p: torch.Tensor, z: torch.Tensor, *, out_norm: str = "bn", eps: float = 0.0,
                    sync: bool | None = None, group=None, backend: str = "auto") -> torch.Tensor:
     """Normalised-MSE loss between online ``p [N, m]`` and target ``z [N, m]`` (module docstring).

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from featlearn.errors import ConfigError
-from featlearn.kernels.backend import check_float_inputs
+from featlearn.kernels.backend import check_float_inputs, profiled
 
 __all__ = ["infonce_stopgrad", "infonce_reference", "infonce_grad_closed_form", "InfoNCEStopGradFunction"]
 
@@ -91,6 +91,7 @@ class InfoNCEStopGradFunction(torch.autograd.Function):
 # ----------------------------------------------------------------------------------------------
 # functional API
 # ----------------------------------------------------------------------------------------------
+@profiled
 def infonce_stopgrad(h_anchor: torch.Tensor, h_pos: torch.Tensor, h_neg: torch.Tensor, temperature: float,
                      chunk_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-anchor stop-gradient InfoNCE (spec eq. 2.2) and the positive's softmax weight.

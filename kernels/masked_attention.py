@@ -427,6 +427,7 @@ def _validate(queries, keys, values, query_index, key_padding_mask, key_groups, 
     return dtype
 
 
+@kb.profiled
 def masked_attention(
     queries: torch.Tensor,
     keys: torch.Tensor,

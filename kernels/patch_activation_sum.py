@@ -427,6 +427,7 @@ def _validate(x, w, activation, mask, teacher_scale, squares, backend, chunk_ele
     check_backend(backend)
 
 
+@kb.profiled
 def patch_activation_sum(
     x: torch.Tensor,
     w: torch.Tensor,

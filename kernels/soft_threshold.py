@@ -224,6 +224,7 @@ def symmetric_relu(u: torch.Tensor, bias: torch.Tensor | float) -> torch.Tensor:
     return torch.relu(u - bias) - torch.relu(-u - bias)
 
 
+@kb.profiled
 def soft_threshold_layer(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *,
                          backend: str = "auto", input_precision: str = "auto") -> torch.Tensor:
     """Soft-threshold layer ``ReLU(x W^T - b) - ReLU(-x W^T - b)``, differentiable in x, W and b.

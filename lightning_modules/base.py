@@ -30,6 +30,7 @@ import lightning as L
 import torch
 from lightning.fabric.utilities.data import AttributeDict
 from lightning.pytorch.utilities import rank_zero_info
+from torch.profiler import record_function
 
 from featlearn.datamodules.base import SyntheticDataModule
 from featlearn.errors import ConfigError
@@ -76,7 +77,7 @@ class FeatureLearningModule(L.LightningModule):
     def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:
         optimizer.step(closure=optimizer_closure)
         # Inside the optimisation step, so every callback (checkpoints included) sees finished steps only.
-        with torch.no_grad():
+        with torch.no_grad(), record_function("featlearn.metrics"):  # a phase of `featlearn profile`'s trace
             self.finish_step(self.global_step + 1)  # Lightning counts the step once this hook returns
 
     def finish_step(self, step: int) -> None:

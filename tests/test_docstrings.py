@@ -16,7 +16,7 @@ MODULES = ["featlearn.experiments.common", "featlearn.experiments.mrp", "featlea
            "featlearn.kernels.patch_activation_sum", "featlearn.kernels.bn_cosine_loss",
            "featlearn.kernels.masked_attention", "featlearn.datamodules.global_local_patches", "featlearn.theory.vit",
            "featlearn.lightning_modules.vit_mae", "featlearn.lightning_modules.vit_cl",
-           "featlearn.lightning_modules.vit_common"]
+           "featlearn.lightning_modules.vit_common", "featlearn.callbacks.profiling"]
 
 
 @pytest.mark.parametrize("name", MODULES)
