@@ -4,8 +4,8 @@ of one process on the same global batch: ``devices=2, batch_size=B`` against ``d
 shows that the split matters, so a DDP step that saw only its own half would fail the comparison.
 
 Each case is three CLI runs of a few seconds (~15 s a case on 2 cores); the default suite keeps one
-config per method plus the contrastive full-batch case (its ranks hold interleaved sample indices), the
-rest is ``-m slow``. Contrastive learning matches only because its shared negative pool is built from
+config per method and mode (full batch, minibatch, population gradient; the classifier that fine-tunes
+and trains SL), the rest is ``-m slow``. Contrastive learning matches only because its shared negative pool is built from
 the global batch (``SparseCodingDataModule.negatives_per_anchor``, ``ContrastiveModule._global_pool``);
 the in-process test below checks that pool without launching anything.
 """
@@ -74,8 +74,8 @@ CASES = {
     "vit_cl": ("vit/cl.yaml", VIT_DATA + ["--data.K", "8", "--data.d", "128", "--model.lr", "2000"], 4, 4,
                torch.float32),
 }
-DEFAULT = ("contrastive", "contrastive_full_batch", "mrp_teacher_student", "noncontrastive_sample", "vit_mae",
-           "vit_cl")
+DEFAULT = ("contrastive", "contrastive_full_batch", "mrp_teacher_student", "mrp_supervised", "noncontrastive_sample",
+           "noncontrastive_population", "vit_mae", "vit_cl")
 
 
 def _free_port() -> int:
