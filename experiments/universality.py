@@ -1,0 +1,224 @@
+"""Seed 003, chapter 7: universality vs label efficiency of contrastive learning, and contrastive regularisation.
+
+On the linear multi-task model (``configs/universality/data_tiny.yaml``: s = 5 shared, r = 10 invariant features
+per task, u = 10 spurious, label noise 0.25), for each seed and each ``T`` of the c-table:
+
+* ``universal``: ``configs/universality/universal.yaml`` (pretraining on the mixture of all T tasks);
+* ``specific``: ``specific.yaml`` (the target task only);
+* ``cr``: ``cr.yaml`` started from that universal run's ``last.ckpt`` (trust region gamma around it, no
+  Frobenius cap).
+
+Tables (``universality_c.md`` / ``.json``, ``universality_m.md`` / ``.json``, ``universality_m_sweep.png``):
+
+1. **c-table**: the per-group squared column norms ``c_S``, ``c_{P_target}``, ``c_{P_other}`` (mean over the
+   other tasks), ``c_U`` against the closed forms (universal ``1, 1/T, 1/T, 0``; specific ``1, 1, 0, 0``; CR
+   ``min(1, sqrt(c_start) + gamma / sqrt(r - s))^2`` on the target, the rest kept), and the final contrastive
+   loss on fresh pairs against its closed form ``E l(c_S Z + c_P Z_t)`` at the predicted column norms;
+2. **m-sweep** at ``T = m_sweep.T``: test MSE of ridge (lambda by leave-one-out on the m labels, one grid for
+   every representation) on the target task and on another task, for the trained universal, specific and CR
+   representations and, as reference rows, the closed-form ones; with linear CKA between the trained
+   representations on target-task inputs.
+
+Settings in ``configs/universality/experiment.yaml``; ``--T``, ``--m``, ``--sweep-T``, ``--repeats``,
+``--gamma``, ``--steps`` override them. With several ``--seed`` values every cell is ``mean (min-max)``.
+
+Usage:
+    python -m featlearn.experiments.universality [--seed 0 1 2] [--T 2 4 8] [--gamma 1.0] [--threads 1]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+
+import torch
+import yaml
+
+from featlearn.experiments.common import (CONFIGS, build, experiment_parser, markdown_table, mean_range,
+                                         parse_experiment_args, progress, quiet_lightning, write_results)
+from featlearn.lightning_modules.universality import contrastive_loss
+from featlearn.metrics.figures import curves_figure
+from featlearn.theory.universality import (MODES, closed_form_representation, contrastive_loss_closed_form,
+                                           downstream_errors, linear_cka, predicted_column_norms)
+
+SETTINGS = yaml.safe_load((CONFIGS / "universality" / "experiment.yaml").read_text())
+LABELS = {"universal": "universal", "specific": "specific (target task)", "cr": "contrastive regularisation"}
+GROUPS = ("S", "P_target", "P_other", "U")
+
+
+def run_mode(mode: str, T: int, seed: int, out: Path, args, reference: str | None = None) -> dict:
+    """Train ``configs/universality/<mode>.yaml`` at ``T`` and ``seed``; returns its metrics, ``W``, the
+    column-norm prediction and the checkpoint path."""
+    t0 = time.time()
+    extra = ["--model.init_args.reference", reference] if reference else []
+    if mode == "cr":
+        extra += ["--model.init_args.gamma", repr(args.gamma)]
+    if args.steps is not None:
+        extra += ["--trainer.max_steps", str(args.steps if mode != "cr" else max(1, args.steps // 3))]
+    cli = build(f"universality/{mode}.yaml", out, f"{mode}_T{T}_s{seed}", "--seed_everything", str(seed),
+                "--data.init_args.seed", str(seed), "--model.init_args.seed", str(seed), "--data.init_args.T", str(T),
+                "--data.init_args.num_val", str(max(args.m)), "--model.init_args.probe_repeats", str(args.repeats),
+                "--trainer.logger.init_args.name", f"{mode}_T{T}_s{seed}", *extra)
+    model, dm = cli.model, cli.datamodule
+    cli.trainer.fit(model, datamodule=dm)
+    c, p = model.column_norms(), model.predicted()
+    others = [t for t in range(T) if t != model.target]
+    split = lambda v: {"S": v["S"], "P_target": v[f"P{model.target}"], "U": v["U"],  # noqa: E731
+                       "P_other": sum(v[f"P{t}"] for t in others) / len(others) if others else None}
+    with torch.no_grad():
+        idx = torch.arange(SETTINGS["loss_samples"], device=model.device) + 10 ** 9
+        batch = dm.sample(idx, "train")
+        loss = float(contrastive_loss(model(batch["x"]), model(batch["x_pos"]), model.hp.loss))
+    tasks = range(T) if mode == "universal" else [model.target]
+    theory_loss = contrastive_loss_closed_form(p["S"], [p[f"P{t}"] for t in tasks], dm.s, dm.r, samples=100_000)
+    return {"c": split(c), "c_theory": split(p), "loss": loss, "loss_theory": theory_loss,
+            "model": model, "dm": dm, "ckpt": cli.trainer.checkpoint_callback.last_model_path,
+            "wall_s": time.time() - t0}
+
+
+def m_sweep(runs: dict, args) -> dict:
+    """Test MSE against m on the target and another task, for the trained and the closed-form representations,
+    and linear CKA between the trained ones; ``runs`` maps mode to :func:`run_mode`'s result at one T."""
+    model = runs["universal"]["model"]
+    dm = runs["universal"]["dm"]
+    reps = {mode: r["model"].w.detach().double().cpu() for mode, r in runs.items()}
+    start = runs["cr"]["model"].start_norms[f"P{dm.target_task}"] if "cr" in runs else None
+    for mode in MODES:
+        norms = predicted_column_norms(mode, dm.T, dm.s, dm.r, gamma=args.gamma if mode == "cr" else None,
+                                       target=dm.target_task)
+        reps[f"{mode} (closed form)"] = closed_form_representation(dm.groups, dm.M, norms)
+    out = {"errors": {}, "cka": {}, "cr_start": start}
+    n = args.repeats * max(args.m)
+    for name, task in (("target", dm.target_task), ("other", model.other)):
+        train, test = dm.labeled(task, torch.arange(n), "val"), dm.labeled(task, torch.arange(4000), "test")
+        for rep, W in reps.items():
+            rows = downstream_errors(train["x"].double() @ W.t(), train["y"], test["x"].double() @ W.t(), test["y"],
+                                     args.m, args.repeats)
+            out["errors"].setdefault(rep, {})[name] = {m: row["mse"] for m, row in rows.items()}
+    x = dm.labeled(dm.target_task, torch.arange(4000), "test")["x"].double()
+    trained = [m for m in MODES if m in runs]
+    for i, a in enumerate(trained):
+        for b in trained[i + 1:]:
+            out["cka"][f"{a} vs {b}"] = linear_cka(x @ reps[a].t(), x @ reps[b].t())
+    return out
+
+
+def c_table(results: dict, Ts: list[int]) -> tuple[str, dict]:
+    """Markdown rows: one per (T, mode), measured (mean over seeds) next to the closed form."""
+    rows = {}
+    for T in Ts:
+        for mode in MODES:
+            per_seed = [results[seed][T][mode] for seed in results]
+            cells = {}
+            for g in GROUPS:
+                cells[f"c_{g}"] = mean_range([r["c"][g] for r in per_seed])
+                theory = per_seed[0]["c_theory"][g]
+                cells[f"c_{g} theory"] = "n/a" if theory is None else f"{theory:.3f}"
+            cells["loss"] = mean_range([r["loss"] for r in per_seed], "{:.4f}")
+            cells["loss theory"] = f"{per_seed[0]['loss_theory']:.4f}"
+            cells["max |c - theory|"] = mean_range([max(abs(r["c"][g] - r["c_theory"][g]) for g in GROUPS
+                                                        if r["c_theory"][g] is not None) for r in per_seed])
+            rows[f"T = {T}, {LABELS[mode]}"] = cells
+    columns = [c for g in GROUPS for c in (f"c_{g}", f"c_{g} theory")] + ["loss", "loss theory", "max |c - theory|"]
+    return markdown_table(rows, columns), rows
+
+
+def m_table(sweeps: dict, ms: list[int]) -> str:
+    """Markdown rows: representation x task, one column per m (mean over seeds).
+
+    Example:
+        >>> sweeps = {0: {"errors": {"universal": {"target": {8: 0.75}, "other": {8: 0.7}}}}}
+        >>> print(m_table(sweeps, [8]))
+        | setting | m = 8 |
+        |---|---|
+        | universal, target task | 0.750 |
+        | universal, other task | 0.700 |
+    """
+    first = next(iter(sweeps.values()))
+    rows = {}
+    for rep in first["errors"]:
+        for task in ("target", "other"):
+            rows[f"{rep}, {task} task"] = {f"m = {m}": mean_range([s["errors"][rep][task][m] for s in sweeps.values()])
+                                           for m in ms}
+    return markdown_table(rows, [f"m = {m}" for m in ms])
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The options; every bad value is refused, naming the option, before the output folder is made."""
+    parser = experiment_parser(__doc__.split("\n")[0], "runs/universality")
+    parser.add_argument("--T", type=int, nargs="+", default=SETTINGS["c_table"]["T"],
+                        help=f"task counts of the c-table (default {SETTINGS['c_table']['T']})")
+    parser.add_argument("--sweep-T", type=int, default=SETTINGS["m_sweep"]["T"],
+                        help=f"T of the m-sweep (default {SETTINGS['m_sweep']['T']}; added to --T if missing)")
+    parser.add_argument("--m", type=int, nargs="+", default=SETTINGS["m_sweep"]["m"], help="labels per task")
+    parser.add_argument("--repeats", type=int, default=SETTINGS["m_sweep"]["repeats"],
+                        help="labelled sets per m (test MSE averaged over them)")
+    parser.add_argument("--gamma", type=float, default=1.0, help="trust-region radius of contrastive regularisation")
+    parser.add_argument("--steps", type=int, help="pretraining steps (default: the configs'; cr runs a third)")
+    return parse_experiment_args(parser, argv, _refuse_bad_options)
+
+
+def _refuse_bad_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    bad_T = [t for t in args.T + [args.sweep_T] if t < 2]
+    if bad_T:
+        parser.error(f"--T / --sweep-T: every T must be an integer >= 2 (another task is needed), got {bad_T}")
+    if len(set(args.T)) != len(args.T):
+        parser.error(f"--T: task counts must be distinct, got {args.T}")
+    if any(m < 2 for m in args.m):
+        parser.error(f"--m: every m must be an integer >= 2 (leave-one-out needs two labels), got {args.m}")
+    if args.repeats < 1:
+        parser.error(f"--repeats: must be a positive integer, got {args.repeats}")
+    if not (args.gamma > 0 and args.gamma < float("inf")):
+        parser.error(f"--gamma: must be a finite number > 0, got {args.gamma}")
+    if args.steps is not None and args.steps < 3:
+        parser.error(f"--steps: must be an integer >= 3, got {args.steps}")
+    args.m = sorted(set(args.m))
+    if args.sweep_T not in args.T:
+        args.T = sorted(args.T + [args.sweep_T])
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    quiet_lightning()
+    t0 = time.time()
+    results, sweeps = {}, {}
+    jobs = [(seed, T) for seed in args.seed for T in args.T]
+    for seed, T in progress(jobs, "T x seeds"):
+        runs = {"universal": run_mode("universal", T, seed, args.out, args)}
+        runs["specific"] = run_mode("specific", T, seed, args.out, args)
+        runs["cr"] = run_mode("cr", T, seed, args.out, args, reference=runs["universal"]["ckpt"])
+        if T == args.sweep_T:
+            sweeps[seed] = m_sweep(runs, args)
+        results.setdefault(seed, {})[T] = {mode: {k: v for k, v in r.items() if k not in ("model", "dm")}
+                                           for mode, r in runs.items()}
+    wall = time.time() - t0
+    ctext, crows = c_table(results, args.T)
+    seeds = " ".join(map(str, args.seed))
+    notes = (f"s = 5, r = 10, u = 10 (configs/universality/data_tiny.yaml), label noise 0.25, projected SGD lr 0.5, "
+             f"batch 2048, seeds {seeds}{': mean (min-max)' if len(args.seed) > 1 else ''}; CR: gamma = {args.gamma:g} "
+             f"from the universal run, no Frobenius cap, its theory from the universal run's measured c_P_target. "
+             f"Loss: the multi-negative logistic loss on {SETTINGS['loss_samples']} fresh pairs (batch-mean negative), "
+             f"theory: E log(1 + exp(-(c_S Z + c_P Z_t))) at the predicted c. Total wall time {wall:.0f} s.")
+    write_results(args.out, "universality_c", {"results": results, "notes": notes},
+                  f"# Seed 003 ch. 7: column norms c = ||(W M)_:,j||^2 per group, measured vs theory\n\n{ctext}\n\n{notes}")
+    mtext = m_table(sweeps, args.m)
+    cka = {pair: mean_range([s["cka"][pair] for s in sweeps.values()]) for pair in next(iter(sweeps.values()))["cka"]}
+    cka_text = markdown_table({pair: {"linear CKA": v} for pair, v in cka.items()}, ["linear CKA"])
+    mnotes = (f"T = {args.sweep_T}; ridge without standardisation, lambda chosen by leave-one-out on the m labels "
+              f"from one grid (1e-4 .. 1e3) for every representation; test MSE on 4000 samples, averaged over "
+              f"{args.repeats} nested label sets; label noise variance 0.0625 (the floor). The other task is task 1. "
+              f"Closed-form rows: W = [diag(sqrt c), 0] M^T at the predicted c. CKA: on target-task test inputs.")
+    figure = curves_figure(args.m, {f"{rep}, {task}": [[s["errors"][rep][task][m] for m in args.m] for s in sweeps.values()]
+                            for rep in ("universal", "specific", "cr") for task in ("target", "other")},
+                           xlabel="labels m", ylabel="test MSE", logx=True,
+                           title=f"ridge on the representation, T = {args.sweep_T} (one curve per seed)")
+    write_results(args.out, "universality_m", {"sweeps": sweeps, "notes": mnotes},
+                  f"# Seed 003 ch. 7: downstream test MSE against m (target task and another task)\n\n{mtext}\n\n"
+                  f"{cka_text}\n\n{mnotes}", figures={"sweep": figure})
+    return {"results": results, "sweeps": sweeps, "c_rows": crows, "wall_s": wall}
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONWARNINGS", "ignore")
+    main()

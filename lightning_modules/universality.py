@@ -1,0 +1,252 @@
+"""Linear contrastive representation of the universality / label-efficiency trade-off (seed 003, chapter 7;
+spec 003b section 2.2).
+
+``phi(x) = W x`` with ``W [k, d]`` in ``{||W||_2 <= 1, ||W||_F <= sqrt(r)}``, trained by projected SGD (or Adam):
+after each optimiser step ``W`` is projected exactly onto that set
+(:func:`~featlearn.theory.universality.project_spectral_frobenius`: one SVD, the multiplier found on the
+singular values).
+
+Losses (``loss``), on a batch of pairs ``(x, x^+)`` whose other samples are the negatives:
+
+* ``theory`` (default, Eq. 7.1 multi-negative form): ``l(phi(x)^T (phi(x^+) - mean_batch phi(x^-)))`` with
+  ``l(t) = log(1 + e^-t)``;
+* ``triplet``: one negative per anchor (the next sample of the batch), ``l(phi(x)^T (phi(x^+) - phi(x^-)))``;
+* ``pca``: ``l(t) = -t`` (Thm 7.1: contrastive learning as PCA of ``E[x | z_R]``);
+* ``infonce``: cross-entropy of ``phi(x)^T phi(x^+_j) / tau`` over the batch (``tau = temperature``).
+
+Modes (``mode``): ``universal`` pretrains on every task, ``specific`` on the data's target task only, and
+``cr`` is contrastive regularisation (Prop F.9): start from a universal representation ``W*`` (``reference``:
+a universal run's checkpoint, or ``None`` for the closed-form optimum), train on the target task, and keep
+``||W - W*||_F <= gamma`` and ``||W||_2 <= 1`` with **no Frobenius cap** (with the cap the target cannot gain
+without the other tasks losing; spec 2.8). The trust region is
+:class:`~featlearn.lightning_modules.contrastive_regularization.ContrastiveRegularization`; each step clips the
+singular values, then scales ``W - W*`` into the ball, which keeps both constraints (the ball's scaling is a
+convex combination of two points of the spectral ball).
+
+Theory metrics (every ``trainer.log_every_n_steps`` steps): the per-group squared column norms
+``c_j = ||(W M)_{:, j}||^2`` (``c/S``, ``c/P_target``, ``c/P_other``, ``c/U``) against the closed forms of
+:func:`~featlearn.theory.universality.predicted_column_norms`. :meth:`LinearContrastive.final_metrics` adds the
+contrastive loss on fresh samples against its closed form and the downstream ridge errors on the target task
+and on another task.
+
+Example:
+    >>> from featlearn.datamodules.hidden_representation import HiddenRepresentationDataModule
+    >>> dm = HiddenRepresentationDataModule(T=2, s=2, r=4, u=2, batch_size=64)
+    >>> model = LinearContrastive().attach(dm)
+    >>> loss = model.training_step(dm.sample(torch.arange(64), "train"), 0)
+    >>> loss.backward(); model.w.grad.shape
+    torch.Size([6, 8])
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+from featlearn.checkpoints import read_checkpoint
+from featlearn.datamodules.hidden_representation import HiddenRepresentationDataModule
+from featlearn.errors import ConfigError
+from featlearn.lightning_modules.base import FeatureLearningModule
+from featlearn.lightning_modules.contrastive_regularization import ContrastiveRegularization
+from featlearn.theory.universality import (closed_form_representation, column_norms, contrastive_loss_closed_form,
+                                           downstream_errors, group_means, predicted_column_norms,
+                                           project_spectral_frobenius)
+from featlearn.validation import PositiveFloat, PositiveInt, check_args
+
+__all__ = ["LinearContrastive", "contrastive_loss"]
+
+
+def contrastive_loss(f: torch.Tensor, f_pos: torch.Tensor, loss: str = "theory", temperature: float = 0.1) -> torch.Tensor:
+    """The mean contrastive loss of representations ``f``, ``f_pos`` ``[B, k]`` of paired views (module docstring).
+
+    Example:
+        >>> f = torch.zeros(4, 3)
+        >>> round(float(contrastive_loss(f, f)), 4)           # l(0) = log 2
+        0.6931
+    """
+    if loss == "theory":
+        return F.softplus(-(f * (f_pos - f.mean(0, keepdim=True))).sum(1)).mean()
+    if loss == "triplet":
+        return F.softplus(-(f * (f_pos - f.roll(1, 0))).sum(1)).mean()
+    if loss == "pca":
+        return -(f * f_pos).sum(1).mean()
+    if loss == "infonce":
+        logits = f @ f_pos.t() / temperature
+        return F.cross_entropy(logits, torch.arange(len(f), device=f.device))
+    raise ConfigError("model.loss", "'theory', 'triplet', 'pca' or 'infonce'", loss)
+
+
+class LinearContrastive(FeatureLearningModule):
+    """The linear representation ``W [k, d]`` of spec 003b section 2.2; see the module docstring.
+
+    Args:
+        mode: ``"universal"`` (every task), ``"specific"`` (the data's ``target_task``) or ``"cr"``
+            (contrastive regularisation of a universal ``W*`` on the target task).
+        loss: ``"theory"``, ``"triplet"``, ``"pca"`` or ``"infonce"``. temperature: ``tau`` of InfoNCE.
+        lr: step size. optimizer: ``"sgd"`` (projected gradient descent) or ``"adam"``.
+        init_scale: ``W(0) ~ init_scale N(0, 1)`` (small: columns of features absent from the data are not
+            identifiable and keep what the initialisation put there); in ``cr`` mode ``W(0) = W*``.
+        gamma: the trust-region radius of ``cr`` mode.
+        reference: ``cr`` mode: a checkpoint of a universal ``LinearContrastive`` run whose ``W`` is ``W*``
+            (``None``: the closed-form universal optimum ``[diag(sqrt c), 0] M^T``).
+        cr_frobenius_cap: keep ``||W||_F <= sqrt(r)`` in ``cr`` mode too (the ablation of spec 2.8; off in Prop F.9).
+        probe_repeats: labelled sets (of ``num_val`` samples each) averaged in the final downstream errors.
+        seed: seed of the initialisation.
+    """
+
+    datamodule_class = HiddenRepresentationDataModule
+    # the projection bounds ||W||_F by sqrt(r) (sqrt(r) + gamma in cr mode): nothing can blow up
+    blowup_factors = {"loss": None, "weight_norm": None}
+    heatmap_axes = ("representation unit", "latent feature (S, P_1..P_T, U)")
+
+    def __init__(
+        self,
+        mode: Literal["universal", "specific", "cr"] = "universal",
+        loss: Literal["theory", "triplet", "pca", "infonce"] = "theory",
+        temperature: PositiveFloat = 0.1,
+        lr: PositiveFloat = 0.5,
+        optimizer: Literal["sgd", "adam"] = "sgd",
+        init_scale: PositiveFloat = 0.01,
+        gamma: PositiveFloat = 1.0,
+        reference: str | None = None,
+        cr_frobenius_cap: bool = False,
+        probe_repeats: PositiveInt = 10,
+        seed: int = 0,
+    ):
+        check_args("model", LinearContrastive.__init__, locals())
+        super().__init__()
+        if reference is not None and mode != "cr":
+            raise ConfigError("model.reference", f"null unless mode is 'cr' (mode is {mode!r})", reference)
+        self._reference_w = None
+        if reference is not None:
+            state = read_checkpoint("model.reference", reference)
+            hp = state.get("hyper_parameters") or {}
+            if "w" not in state["state_dict"] or hp.get("mode", "universal") != "universal":
+                raise ConfigError("model.reference", "a checkpoint of a universal LinearContrastive run", reference)
+            self._reference_w = state["state_dict"]["w"]
+        self.save_hyperparameters()
+        self.hp = self.hparams
+        self.cr = ContrastiveRegularization(lam=1.0, gamma=gamma if mode == "cr" else None)
+
+    # ------------------------------------------------------------------------------------------
+    def build(self, dm: HiddenRepresentationDataModule) -> None:
+        hp = self.hp
+        self.T, self.s, self.r, self.u, self.k, self.d = dm.T, dm.s, dm.r, dm.u, dm.k, dm.d
+        self.groups, self.target = dm.groups, dm.target_task
+        self.other = (dm.target_task + 1) % dm.T
+        self.task_weights, self.sigmas = list(dm.task_weights), (dm.sigma_S, dm.sigma_R, dm.sigma_U)
+        self.label_kind = dm.label
+        dm.use_tasks(None if hp.mode == "universal" else [dm.target_task])
+        self.register_ground_truth("M", dm.M.float())
+        if hp.mode == "cr":
+            if self._reference_w is not None:
+                if tuple(self._reference_w.shape) != (self.k, self.d):
+                    raise ConfigError("model.reference", f"a checkpoint with W of shape {(self.k, self.d)} (the data's k, d)",
+                                      f"{hp.reference} with {tuple(self._reference_w.shape)}")
+                w0 = self._reference_w.float()
+            else:
+                w0 = closed_form_representation(self.groups, dm.M, predicted_column_norms("universal", dm.T, dm.s, dm.r)).float()
+            self._reference_w = None
+        else:
+            gen = torch.Generator().manual_seed(hp.seed)
+            w0 = hp.init_scale * torch.randn(self.k, self.d, generator=gen)
+        self.w = torch.nn.Parameter(w0.clone())
+        if hp.mode == "cr":
+            self.cr.anchor({"w": self.w})
+        self.start_norms = group_means(column_norms(w0, dm.M), self.groups)
+        # downstream sets, kept for final_metrics: probe_repeats labelled sets of m = num_val, and a test set
+        m, n_test = dm.sizes["val"], dm.sizes["test"]
+        for name, task in (("target", self.target), ("other", self.other)):
+            train = dm.labeled(task, torch.arange(hp.probe_repeats * m), "val")
+            test = dm.labeled(task, torch.arange(n_test), "test")
+            for part, data in (("train", train), ("test", test)):
+                self.register_ground_truth(f"{name}_{part}_x", data["x"])
+                self.register_ground_truth(f"{name}_{part}_y", data["y"])
+        self.m = m
+
+    def configure_optimizers(self):
+        if self.hp.optimizer == "adam":
+            return torch.optim.Adam([self.w], lr=self.hp.lr)
+        return torch.optim.SGD([self.w], lr=self.hp.lr)
+
+    # ------------------------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``phi(x) = W x`` for inputs ``[.., d]``."""
+        return x @ self.w.t()
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        loss = contrastive_loss(self(batch["x"]), self(batch["x_pos"]), self.hp.loss, self.hp.temperature)
+        if self._trainer is not None and self.theory_due():
+            self.log("loss/contrastive", loss, prog_bar=True)
+        return loss
+
+    def finish_step(self, step: int) -> None:
+        """The projection, part of every step: onto ``{||W||_2 <= 1, ||W||_F <= sqrt(r)}``, or in ``cr`` mode onto
+        the spectral ball and then the trust region around ``W*``."""
+        cr = self.hp.mode == "cr"
+        self.w.copy_(project_spectral_frobenius(self.w, float(self.r), 1.0, frobenius=not cr or self.hp.cr_frobenius_cap))
+        if cr:
+            self.cr.project_({"w": self.w})
+        if self._trainer is not None and self.theory_due():
+            self.log_dict(self.theory_metrics(), on_step=True, on_epoch=False)
+
+    # ------------------------------------------------------------------------------------------
+    def column_norms(self) -> dict[str, float]:
+        """Measured ``c`` per group (``S``, ``P0`` .. ``P{T-1}``, ``U``)."""
+        return group_means(column_norms(self.w.detach(), self.M), self.groups)
+
+    def predicted(self) -> dict[str, float]:
+        """The closed-form ``c`` per group for this mode (cr: from the universal start's measured target value)."""
+        hp = self.hp
+        start = self.start_norms[f"P{self.target}"] if hp.mode == "cr" else None
+        return predicted_column_norms(hp.mode, self.T, self.s, self.r, gamma=hp.gamma if hp.mode == "cr" else None,
+                                      target=self.target, start=start)
+
+    def theory_metrics(self) -> dict[str, float]:
+        c, p = self.column_norms(), self.predicted()
+        others = [t for t in range(self.T) if t != self.target]
+        out = {"c/S": c["S"], "c/P_target": c[f"P{self.target}"], "c/U": c["U"],
+               "c_theory/S": p["S"], "c_theory/P_target": p[f"P{self.target}"], "c_theory/U": p["U"],
+               "c/max_abs_error": max(abs(c[g] - p[g]) for g in c),
+               "weights/spectral_norm": float(torch.linalg.matrix_norm(self.w.detach().double(), 2)),
+               "weights/frobenius2": float((self.w.detach().double() ** 2).sum())}
+        if others:
+            out["c/P_other"] = sum(c[f"P{t}"] for t in others) / len(others)
+            out["c_theory/P_other"] = sum(p[f"P{t}"] for t in others) / len(others)
+        if self.hp.mode == "cr":
+            out["cr/distance"] = float(self.cr.distance({"w": self.w}))
+        return out
+
+    def downstream(self, ms: list[int] | None = None) -> dict[str, dict]:
+        """Ridge test errors on the target task and on another task, ``lambda`` by leave-one-out per set
+        (:func:`~featlearn.theory.universality.downstream_errors`), for each ``m`` in ``ms`` (default: ``num_val``)."""
+        ms = ms or [self.m]
+        out = {}
+        with torch.no_grad():
+            for name in ("target", "other"):
+                f = lambda part: self(getattr(self, f"{name}_{part}_x"))  # noqa: E731
+                out[name] = downstream_errors(f("train"), getattr(self, f"{name}_train_y"), f("test"),
+                                              getattr(self, f"{name}_test_y"), ms, self.hp.probe_repeats,
+                                              sign=self.label_kind == "sign")
+        return out
+
+    def final_metrics(self) -> dict[str, float]:
+        """Column norms against theory, the contrastive loss against its closed form, downstream errors."""
+        out = self.theory_metrics()
+        c = self.column_norms()
+        if self.hp.loss in ("theory", "pca"):
+            tasks = list(range(self.T)) if self.hp.mode == "universal" else [self.target]
+            weights = [self.task_weights[t] for t in tasks]
+            s_sig, r_sig, _ = self.sigmas
+            out["loss/closed_form_at_measured_c"] = contrastive_loss_closed_form(
+                c["S"], [c[f"P{t}"] for t in tasks], self.s, self.r, weights, s_sig, r_sig, self.hp.loss,
+                samples=100_000)
+        down = self.downstream()
+        for name, rows in down.items():
+            out[f"downstream/{name}_mse"] = rows[self.m]["mse"]
+        return out
+
+    def correlations(self) -> torch.Tensor:
+        """``W M`` ``[k, d]``: how each representation unit reads each latent feature."""
+        return self.w.detach() @ self.M
