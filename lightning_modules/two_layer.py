@@ -1,0 +1,337 @@
+"""Two-layer network with the truncated ReLU learning the F_Xi data (Shi, Wei & Liang 2022; spec 003a
+sections 1.2-1.4), and its fixed-feature baselines as modes of the same module.
+
+``g(x) = sum_{i <= 2m} a_i sigma(<w_i, x> + b_i)``, ``sigma(z) = min(1, max(z, 0))``; in steps 1-2 the
+activation is smoothed by Gaussian noise of std ``sigma_xi`` in closed form (the fused op
+:func:`featlearn.kernels.smoothed_clamp.smoothed_clamp_layer`). Mirrored initialisation: for ``i <= m``,
+``w_i ~ N(0, sigma_w^2 I)``, ``b_i ~ N(0, sigma_b^2)``, ``a_i ~ N(0, sigma_a^2)`` and
+``(w_{m+i}, b_{m+i}, a_{m+i}) = (w_i, b_i, -a_i)``, so ``g = 0`` at init (``sigma_w = 1/k``,
+``sigma_b = 1/k^2``, ``sigma_a = sigma~^2/(gamma k^2)``).
+
+Loss: the hinge ``max(1 - y g, 0)`` (class-weighted by ``1/(2 Pr[y])`` in steps 1-2 with
+``class_weighted``), plus ``lambda_a sum a_i^2 + lambda_w sum ||w_i||^2`` (b not regularised), minimised by
+plain gradient steps ``theta <- (1 - 2 eta lambda) theta - eta grad L`` on the three-stage schedule of
+Theorem A.20 (:func:`featlearn.theory.two_layer.theory_schedule`): step 1 full batch, erasing ``w``
+(``lambda_w = 1/(2 eta)``: ``w <- -eta grad_w L``, applied as exactly that, not as a cancellation);
+step 2 full batch, ``a, w <- -grad L``; steps 3..T minibatches, no smoothing. The data serves the
+full-batch steps (:meth:`StructuredParityDataModule.use_full_batch_steps`).
+
+``mode`` picks what is trained, every mode for the same T steps on the same batches, with the stage-3
+step size ``lr3`` (tuned on the same grid for every mode by the experiment):
+
+* ``network``: everything, on the schedule above;
+* ``ntk``: the network linearised at its initialisation (spec 1.4),
+  ``f(x) = sum_i da_i sigma(z_i) + sum_i a_i^(0) sigma'(z_i) (<dw_i, x> + db_i)`` with
+  ``z_i = <w_i^(0), x> + b_i^(0)``: two GEMMs per batch, never the kernel matrix;
+* ``rf``: the second layer only, first layer frozen at init (random features);
+* ``one_step`` / ``two_step``: steps 1 (and 2) of the schedule, then the first layer frozen and the
+  second layer trained on its outputs (a linear classifier on the hidden layer).
+
+The network without input structure is ``mode: network`` on ``data.structure: false``; its
+hyperparameters (sigma_a, eta^(1)) use gamma of the structured distribution (F_Xi0 has gamma = 0).
+
+Theory metrics: ``CosSim = max_i cos(w_i, sum_{j in A} M_j)`` at init and after steps 1, 2 and T (for
+``ntk``, of ``w^(0) + dw``), the accuracy on the validation split, and an MDS picture of the neuron
+directions after init, step 1 and step 2 (TensorBoard ``neurons/mds`` and :meth:`neuron_figure`).
+
+Example:
+    >>> from featlearn.datamodules.structured_parity import StructuredParityDataModule
+    >>> dm = StructuredParityDataModule(dim=30, num_patterns=12, k=3, num_train=64, batch_size=16)
+    >>> model = TwoLayerNetwork(width=8, steps=10).attach(dm)
+    >>> batch = dm.sample(torch.arange(5), "train")
+    >>> float(model(batch["x"]).detach().abs().max())   # mirrored init: g = 0
+    0.0
+    >>> model.schedule_at(1)["smoothing"], model.schedule_at(3)["smoothing"]
+    (0.1111111111111111, 0.0)
+"""
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+
+from featlearn.datamodules.structured_parity import StructuredParityDataModule
+from featlearn.errors import ConfigError
+from featlearn.kernels.smoothed_clamp import (gaussian_smoothed_clamp, gaussian_smoothed_clamp_derivative,
+                                              smoothed_clamp_layer)
+from featlearn.lightning_modules.base import FeatureLearningModule
+from featlearn.metrics.figures import plt
+from featlearn.theory.two_layer import cos_sim, data_constants, hinge, mds_embedding, theory_schedule
+from featlearn.validation import NonNegativeFloat, PositiveFloat, PositiveInt, check_args, check_memory
+
+MODES = ("network", "ntk", "rf", "one_step", "two_step")
+_FROZEN_AFTER = {"rf": 0, "one_step": 1, "two_step": 2}  # steps of the schedule before the first layer freezes
+
+
+class ScheduledGD(torch.optim.Optimizer):
+    """Plain gradient steps ``p <- decay * p - lr * grad`` per parameter group; the module sets ``lr`` and
+    ``decay = 1 - 2 lr lambda`` of every group before each step (the schedule), so ``decay = 0`` erases
+    a parameter exactly instead of through the cancellation ``p - lr (grad + p / lr)``."""
+
+    def __init__(self, params):
+        super().__init__(params, {"lr": 0.0, "decay": 1.0})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None or not p.requires_grad:
+                    continue
+                if group["decay"] == 0:
+                    torch.mul(p.grad, -group["lr"], out=p)
+                else:
+                    p.mul_(group["decay"]).add_(p.grad, alpha=-group["lr"])
+        return loss
+
+
+class TwoLayerNetwork(FeatureLearningModule):
+    """Two-layer truncated-ReLU network and its baselines (module docstring).
+
+    Args:
+        width: m; the network has 2m neurons (mirrored pairs). Paper: 300 (parity), 100 (interval).
+        mode: ``network``, ``ntk``, ``rf``, ``one_step`` or ``two_step``.
+        schedule: ``A20`` (Theorem A.20, default), ``A17`` (Lemma A.17) or ``A28`` (Theorem A.28).
+        lr1_mult, smoothing_mult, lr3_mult, reg3_mult: multipliers of eta^(1), sigma_xi^(1,2), eta^(3..T)
+            and lambda^(3..T) against the theory's formulas (the paper does not print its values).
+        steps: T, the schedule's total number of steps (None: ``trainer.max_steps``).
+        sigma_w, sigma_b, sigma_a: init stds (None: 1/k, 1/k^2, sigma~^2/(gamma k^2)).
+        class_weighted: weight the hinge by 1/(2 Pr[y = v]) in steps 1-2 (the general setting, A.8).
+        init_seed: seed of the initialisation (None: the data seed).
+        backend: the op's backend (``auto``: Triton on CUDA).
+        input_precision: the op's GEMM precision on a GPU (``ieee`` default: w^(1) is ~1e-8 of b).
+    """
+
+    datamodule_class = StructuredParityDataModule
+    heatmap_axes = ("neuron", "relevant pattern")
+    # steps 1-2 replace the weights by gradients: the norm changes by orders of magnitude by design
+    blowup_factors = {"loss": None, "weight_norm": None}
+
+    def __init__(
+        self,
+        width: PositiveInt = 300,
+        mode: Literal["network", "ntk", "rf", "one_step", "two_step"] = "network",
+        schedule: Literal["A20", "A17", "A28"] = "A20",
+        lr1_mult: PositiveFloat = 1.0,
+        smoothing_mult: NonNegativeFloat = 1.0,
+        lr3_mult: PositiveFloat = 1.0,
+        reg3_mult: NonNegativeFloat = 1.0,
+        steps: PositiveInt | None = None,
+        sigma_w: PositiveFloat | None = None,
+        sigma_b: NonNegativeFloat | None = None,
+        sigma_a: PositiveFloat | None = None,
+        class_weighted: bool = False,
+        init_seed: int | None = None,
+        backend: Literal["auto", "torch", "triton"] = "auto",
+        input_precision: Literal["auto", "tf32", "ieee"] = "ieee",
+    ):
+        check_args("model", TwoLayerNetwork.__init__, locals())
+        super().__init__()
+        self.save_hyperparameters()
+        self.width, self.mode, self.schedule_kind = width, mode, schedule
+        self.mults = {"lr1_mult": float(lr1_mult), "smoothing_mult": float(smoothing_mult),
+                      "lr3_mult": float(lr3_mult), "reg3_mult": float(reg3_mult)}
+        self.steps, self.class_weighted, self.init_seed = steps, class_weighted, init_seed
+        self.init_std = (sigma_w, sigma_b, sigma_a)
+        self.backend, self.precision = backend, input_precision
+        self.snapshots: dict[str, torch.Tensor] = {}
+        self.automatic_optimization = True
+
+    # --- parameters ---------------------------------------------------------------------------
+    def build(self, dm: StructuredParityDataModule) -> None:
+        m, d, k, dtype = self.width, dm.dim, dm.k, dm.dtype
+        # W, its gradient, the init copy (ntk) and three MDS snapshots
+        check_memory("model", TwoLayerNetwork.__init__, {"width": m}, 6 * dtype.itemsize * 2 * m * (d + 2),
+                     f"{2 * m} neurons of dimension {d}", device="cpu")
+        # the hyperparameters come from the structured distribution: F_Xi0 has gamma = 0
+        design = data_constants(dm.labeling, k, dm.num_patterns, dm.p_o, True, dm.relevant_prob, *dm.interval,
+                                dm.neg_fraction, dm.mog_noise, d)
+        self.k, self.gamma, self.sigma_tilde = k, design["gamma"], math.sqrt(design["sigma2"])
+        self.p_min = dm.constants["p_min"]
+        self.class_weights = (1 / (2 * dm.constants["prob_pos"]), 1 / (2 * (1 - dm.constants["prob_pos"])))
+        if self.gamma <= 0:
+            raise ConfigError("data.labeling", "a labelling with label correlation gamma > 0 on A (the init scale "
+                                               "sigma_a and eta^(1) divide by it)", dm.labeling)
+        sw, sb, sa = self.init_std
+        sw = 1 / k if sw is None else sw
+        sb = 1 / k ** 2 if sb is None else sb
+        sa = self.sigma_tilde ** 2 / (self.gamma * k ** 2) if sa is None else sa
+        self.init_values = {"sigma_w": sw, "sigma_b": sb, "sigma_a": sa}
+        w = dm.initial_normals((m, d), self.init_seed, 0) * sw
+        b = dm.initial_normals((m,), self.init_seed, 1) * sb
+        a = dm.initial_normals((m,), self.init_seed, 2) * sa
+        w, b, a = torch.cat([w, w]).to(dtype), torch.cat([b, b]).to(dtype), torch.cat([a, -a]).to(dtype)
+        if self.mode == "ntk":
+            self.register_buffer("w0", w)
+            self.register_buffer("b0", b)
+            self.register_buffer("a0", a)
+            self.w = torch.nn.Parameter(torch.zeros_like(w))  # dw, db, da: the linearisation's parameters
+            self.b = torch.nn.Parameter(torch.zeros_like(b))
+            self.a = torch.nn.Parameter(torch.zeros_like(a))
+        else:
+            self.w, self.b, self.a = torch.nn.Parameter(w), torch.nn.Parameter(b), torch.nn.Parameter(a)
+        self.register_ground_truth("features", dm.features)
+        self.register_ground_truth("direction", dm.target_direction.to(dtype))
+        self.register_buffer("cos_stages", torch.full((4,), float("nan"), dtype=torch.float64))
+        self.register_buffer("val_acc", torch.full((), float("nan"), dtype=torch.float64))
+        self.cos_stages[0] = cos_sim(w.double(), dm.target_direction)
+        self.snapshots["init"] = w[: min(m, 150)].clone()
+        # every mode takes the same batches: steps 1-2 full batch (the schedule's), then minibatches
+        dm.use_full_batch_steps(2)
+
+    def first_layer(self) -> torch.Tensor:
+        """The first-layer weights ``[2m, d]`` (for ``ntk``, ``w^(0) + dw``)."""
+        return (self.w0 + self.w if self.mode == "ntk" else self.w).detach()
+
+    # --- schedule -------------------------------------------------------------------------------
+    def total_steps(self) -> int:
+        if self.steps is not None:
+            return self.steps
+        trainer = self._trainer
+        if trainer is None or trainer.max_steps is None or trainer.max_steps < 1:
+            raise ConfigError("model.steps", "set, or trainer.max_steps >= 1 (the schedule's T)",
+                              None if trainer is None else trainer.max_steps)
+        return trainer.max_steps
+
+    def theory_values(self) -> dict[str, float]:
+        return theory_schedule(self.k, self.width, self.gamma, self.sigma_tilde, self.total_steps(),
+                               self.schedule_kind, self.p_min, **self.mults)
+
+    def schedule_at(self, step: int) -> dict:
+        """Step ``step`` (1 for the first): its stage, smoothing, and per group (a, w, b) ``(lr, decay)``."""
+        th = self.theory_values()
+        frozen = _FROZEN_AFTER.get(self.mode)
+        stage = 3 if self.mode in ("ntk", "rf") else min(step, 3)
+        if frozen is not None and step > frozen:
+            stage = 3
+        decay3 = 1 - 2 * th["lr3"] * th["reg3"]
+        if stage == 1:
+            groups = {"a": (th["lr1"], 1.0), "w": (th["lr1"], 0.0), "b": (th["lr1"], 1.0)}
+        elif stage == 2:
+            groups = {"a": (1.0, 0.0), "w": (1.0, 0.0), "b": (1.0, 1.0)}
+        else:
+            groups = {"a": (th["lr3"], decay3), "w": (th["lr3"], decay3), "b": (th["lr3"], 1.0)}
+        if frozen is not None and step > frozen:
+            groups["w"] = groups["b"] = (0.0, 1.0)
+        smoothing = th["smoothing1"] if stage == 1 else th["smoothing2"] if stage == 2 else 0.0
+        return {"stage": stage, "smoothing": smoothing, "groups": groups}
+
+    # --- model ----------------------------------------------------------------------------------
+    def hidden(self, x: torch.Tensor, smoothing: float = 0.0) -> torch.Tensor:
+        """``sigma_s(x W^T + b)`` ``[B, 2m]`` through the fused op (not for ``ntk``)."""
+        return smoothed_clamp_layer(x, self.w, self.b, smoothing, backend=self.backend,
+                                    input_precision=self.precision)
+
+    def forward(self, x: torch.Tensor, smoothing: float = 0.0) -> torch.Tensor:
+        if self.mode == "ntk":
+            return self.linearised(x, smoothing)
+        h, m = self.hidden(x, smoothing), self.width
+        # the two halves apart: the mirrored pairs then cancel exactly at init (one sum would round)
+        return h[:, :m] @ self.a[:m] + h[:, m:] @ self.a[m:]
+
+    def linearised(self, x: torch.Tensor, smoothing: float = 0.0) -> torch.Tensor:
+        """``f(x) = sigma(z0) da + (sigma'(z0) * (x dW^T + db)) a0``, ``z0 = x W0^T + b0`` (spec 1.4)."""
+        with torch.no_grad():
+            z0 = torch.addmm(self.b0, x, self.w0.T)
+            act0 = gaussian_smoothed_clamp(z0, smoothing)
+            slope0 = gaussian_smoothed_clamp_derivative(z0, smoothing) * self.a0
+        return act0 @ self.a + (slope0 * torch.addmm(self.b, x, self.w.T)).sum(1)
+
+    def batch_loss(self, batch: dict[str, torch.Tensor], step: int) -> torch.Tensor:
+        sched = self.schedule_at(step)
+        y = batch["y"]
+        g = self(batch["x"], sched["smoothing"])
+        weight = None
+        if self.class_weighted and sched["stage"] < 3:
+            pos, neg = self.class_weights
+            weight = torch.where(y > 0, torch.full_like(y, pos), torch.full_like(y, neg))
+        return hinge(y * g, weight)
+
+    @torch.no_grad()
+    def accuracy(self, x: torch.Tensor, y: torch.Tensor, chunk: int = 10000) -> float:
+        """Fraction of ``sign(g(x)) == y`` (g = 0 counts as wrong), in chunks of ``chunk`` samples."""
+        right = sum(int(((self(x[i:i + chunk]) * y[i:i + chunk]) > 0).sum()) for i in range(0, len(x), chunk))
+        return right / len(x)
+
+    # --- metrics --------------------------------------------------------------------------------
+    def cos(self) -> float:
+        return float(cos_sim(self.first_layer().double(), self.direction.double()))
+
+    def correlations(self) -> torch.Tensor:
+        """cos(w_i, M_j) for j in A: neuron x relevant pattern ``[2m, k]``."""
+        w = self.first_layer()
+        return (w @ self.features.T) / w.norm(dim=1, keepdim=True).clamp_min(1e-30)
+
+    def neuron_figure(self):
+        """MDS of the neuron directions after init, step 1 and step 2 (the first 150 neurons), coloured by
+        cos(w_i, sum_A M_j); None before step 2 or for modes that do not take those steps."""
+        if not {"init", "step1", "step2"} <= set(self.snapshots):
+            return None
+        fig, axes = plt.subplots(1, 3, figsize=(12, 4), constrained_layout=True)
+        v = self.direction.double()
+        for ax, name in zip(axes, ("init", "step1", "step2")):
+            w = self.snapshots[name].double().cpu()
+            xy = mds_embedding(w)
+            cos = (w @ v.cpu()) / (w.norm(dim=1) * v.norm()).clamp_min(1e-300)
+            image = ax.scatter(xy[:, 0], xy[:, 1], c=cos, cmap="RdBu_r", vmin=-1, vmax=1, s=12)
+            ax.set(title=f"{name}: max cos {float(cos.max()):.3f}", xlabel="MDS 1", ylabel="MDS 2")
+        fig.colorbar(image, ax=axes, label="cos(w_i, sum_A M_j)")
+        return fig
+
+    def final_metrics(self) -> dict[str, float]:
+        """CosSim at init, after steps 1 and 2 and at the end, and the last validation accuracy."""
+        names = ("cos_init", "cos_step1", "cos_step2", "cos_final")
+        out = {n: float(v) for n, v in zip(names, self.cos_stages.tolist()) if not math.isnan(v)}
+        if not math.isnan(float(self.val_acc)):
+            out["val_acc"] = float(self.val_acc)
+        return out
+
+    # --- Lightning hooks ------------------------------------------------------------------------
+    def on_fit_start(self) -> None:
+        self.total_steps()  # refuse a schedule without T before the first step
+
+    def training_step(self, batch, batch_idx):
+        step = self.global_step + 1
+        sched = self.schedule_at(step)
+        for group in self.optimizers().optimizer.param_groups:
+            group["lr"], group["decay"] = sched["groups"][group["name"]]
+            for p in group["params"]:  # frozen layers: no backward GEMM for them
+                p.requires_grad_(group["lr"] != 0 or group["decay"] != 1)
+        loss = self.batch_loss(batch, step)
+        if self.theory_due() or step <= 2:
+            self.log_dict({"train/loss": loss.detach(), "train/stage": float(sched["stage"]),
+                           "theory/cos_sim": self.cos()}, on_step=True, on_epoch=False)
+        return loss
+
+    def finish_step(self, step: int) -> None:
+        """Record CosSim and the MDS snapshot after steps 1 and 2, CosSim at the last step."""
+        if step in (1, 2) and self.mode != "ntk":
+            self.cos_stages[step] = self.cos()
+        if step in (1, 2) and (self.mode == "network" or _FROZEN_AFTER.get(self.mode, 0) >= step):
+            self.snapshots[f"step{step}"] = self.w.detach()[: min(self.width, 150)].clone()
+            if step == 2:
+                figure = self.neuron_figure()
+                if figure is not None:
+                    self.log_figure("neurons/mds", figure)
+        self.cos_stages[3] = self.cos()
+
+    def validation_step(self, batch, batch_idx):
+        acc = ((self(batch["x"]) * batch["y"]) > 0).double().mean()
+        self.log("val/acc", acc, on_epoch=True, batch_size=batch["x"].shape[0])
+
+    def on_validation_epoch_end(self) -> None:
+        value = self.trainer.callback_metrics.get("val/acc")
+        if value is not None:
+            self.val_acc.fill_(float(value))
+
+    def test_step(self, batch, batch_idx):
+        acc = ((self(batch["x"]) * batch["y"]) > 0).double().mean()
+        self.log("test/acc", acc, on_epoch=True, batch_size=batch["x"].shape[0])
+
+    def configure_optimizers(self):
+        return ScheduledGD([{"params": [self.a], "name": "a"}, {"params": [self.w], "name": "w"},
+                            {"params": [self.b], "name": "b"}])

@@ -1,0 +1,150 @@
+"""TwoLayerNetwork (spec 003a 1.2-1.4): mirrored init, the schedule's exact erasing steps, the NTK
+linearisation against autograd's jvp, frozen layers of the baselines, every config through the CLI, and
+bad values refused naming the field."""
+from pathlib import Path
+
+import pytest
+import torch
+from torch.func import jvp
+
+from featlearn.datamodules.structured_parity import StructuredParityDataModule
+from featlearn.errors import ConfigError
+from featlearn.experiments.common import build, quiet_lightning
+from featlearn.kernels.smoothed_clamp import smoothed_clamp_reference
+from featlearn.lightning_modules.two_layer import ScheduledGD, TwoLayerNetwork
+from featlearn.theory.two_layer import hinge, theory_schedule
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _dm(**kw):
+    base = dict(dim=41, num_patterns=17, k=3, num_train=256, batch_size=32, num_val=64, num_test=64, dtype="float64")
+    base.update(kw)
+    return StructuredParityDataModule(**base)
+
+
+def test_mirrored_init_gives_zero_and_spec_scales():
+    dm = _dm(dim=500, num_patterns=100, k=5, dtype="float32")
+    model = TwoLayerNetwork(width=300, steps=600).attach(dm)
+    assert model.init_values == pytest.approx({"sigma_w": 0.2, "sigma_b": 0.04, "sigma_a": 4.0})
+    m = model.width
+    assert torch.equal(model.w[:m], model.w[m:]) and torch.equal(model.a[:m], -model.a[m:])
+    w, a = model.w.detach(), model.a.detach()
+    assert abs(float(w[:m].std()) - 0.2) < 0.01 and abs(float(a[:m].std()) - 4.0) < 0.5
+    x = dm.sample(torch.arange(100), "train")["x"]
+    assert float(model(x).detach().abs().max()) == 0.0
+
+
+def test_schedule_values_follow_theorem_a20_and_variants():
+    s = theory_schedule(5, 300, 0.25, 5.0, 600)
+    assert s["lr1"] == pytest.approx(0.0625 * 25 / (5 * 300 ** 3)) and s["smoothing1"] == pytest.approx(0.04)
+    assert s["lr3"] == pytest.approx(25 / (600 * 300 ** (1 / 3))) and s["reg3"] == pytest.approx(125 / (5 * 300 ** (1 / 3)))
+    a17 = theory_schedule(5, 300, 0.25, 5.0, 600, "A17")
+    assert a17["lr1"] == pytest.approx(0.0625 * 5 / (5 * 300 ** 3)) and a17["smoothing1"] == pytest.approx(5 ** -1.5)
+    a28 = theory_schedule(5, 300, 0.25, 5.0, 600, "A28", p_min=0.2)
+    assert a28["lr1"] == pytest.approx(0.2 * a17["lr1"])
+    model = TwoLayerNetwork(width=4, steps=10, lr3_mult=3.0).attach(_dm())
+    one, two, three = (model.schedule_at(t) for t in (1, 2, 3))
+    assert one["groups"]["w"][1] == 0.0 and one["groups"]["a"][1] == 1.0 and two["groups"]["a"] == (1.0, 0.0)
+    assert three["smoothing"] == 0.0 and three["groups"]["b"][1] == 1.0
+    th = model.theory_values()
+    assert three["groups"]["a"] == pytest.approx((th["lr3"], 1 - 2 * th["lr3"] * th["reg3"]))
+
+
+def test_step_one_erases_w_exactly():
+    """lambda_w = 1/(2 eta): w^(1) = -eta grad_w L bit for bit, whatever w^(0) was (no cancellation)."""
+    dm = _dm()
+    model = TwoLayerNetwork(width=6, steps=10).attach(dm)
+    batch = dm.sample(torch.arange(256), "train")
+    loss = model.batch_loss(batch, 1)
+    loss.backward()
+    grad, lr = model.w.grad.clone(), model.schedule_at(1)["groups"]["w"][0]
+    opt = ScheduledGD([{"params": [model.w], "name": "w"}])
+    opt.param_groups[0]["lr"], opt.param_groups[0]["decay"] = lr, 0.0
+    opt.step()
+    assert torch.equal(model.w.detach(), grad * -lr)
+    # and the step-1 gradient points along +-sum_A M_j (the structure's signal, gamma > 0)
+    cos = (model.w.detach() @ dm.target_direction) / (model.w.detach().norm(dim=1) * dm.target_direction.norm())
+    assert cos.abs().min() > 0.5
+
+
+@pytest.mark.parametrize("s", [0.0, 0.2])
+def test_ntk_linearisation_equals_jvp(s):
+    dm = _dm()
+    net = TwoLayerNetwork(width=5, steps=10).attach(dm)
+    ntk = TwoLayerNetwork(width=5, steps=10, mode="ntk").attach(dm)
+    assert torch.equal(ntk.w0, net.w.detach()) and torch.equal(ntk.a0, net.a.detach())
+    g = torch.Generator().manual_seed(3)
+    delta = {n: torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.1 for n, p in (("w", net.w), ("b", net.b),
+                                                                                    ("a", net.a))}
+    with torch.no_grad():
+        for n, t in delta.items():
+            getattr(ntk, n).copy_(t)
+    x = dm.sample(torch.arange(37), "train")["x"]
+    params = {n: getattr(net, n).detach() for n in ("w", "b", "a")}
+
+    def g_of(p):  # the network as a function of its parameters, through the op's float64 reference
+        return smoothed_clamp_reference(x, p["w"], p["b"], s) @ p["a"]
+
+    assert torch.allclose(g_of(params), net(x, s).detach(), atol=1e-12)
+    _, tangent = jvp(g_of, (params,), (delta,))
+    assert torch.allclose(ntk(x, s), tangent, atol=1e-12, rtol=1e-10)
+    assert float(TwoLayerNetwork(width=5, steps=10, mode="ntk").attach(dm)(x).detach().abs().max()) == 0.0
+
+
+def _fit(config: str, tmp_path: Path, *extra: str):
+    quiet_lightning()
+    over = ["--data.init_args.dim", "41", "--data.init_args.num_patterns", "17", "--data.init_args.k", "3",
+            "--data.init_args.num_train", "256", "--data.init_args.batch_size", "32", "--data.init_args.num_val",
+            "64", "--data.init_args.num_test", "64", "--model.init_args.width", "6", "--trainer.max_steps", "5",
+            "--trainer.accelerator", "cpu", "--trainer.check_val_every_n_epoch", "1", "--trainer.val_check_interval", "5", "--heatmap.every_n_steps", "2",
+            *extra]
+    cli = build(f"two_layer/{config}", tmp_path, config.replace(".yaml", ""), *over)
+    cli.trainer.fit(cli.model, cli.datamodule)
+    return cli.model, cli.datamodule
+
+
+@pytest.mark.parametrize("config", ["network.yaml", "ntk.yaml", "rf.yaml", "one_step.yaml", "two_step.yaml",
+                                    "no_structure.yaml"])
+def test_every_config_fits(config, tmp_path):
+    model, dm = _fit(config, tmp_path)
+    assert model.global_step == 5
+    metrics = model.final_metrics()
+    assert 0 <= metrics["val_acc"] <= 1
+    if model.mode != "ntk":
+        assert set(metrics) >= {"cos_init", "cos_final"}
+    assert list((tmp_path / config.replace(".yaml", "")).glob("events.out.tfevents.*"))
+
+
+def test_frozen_layers_of_the_baselines(tmp_path):
+    init = TwoLayerNetwork(width=6, steps=5).attach(_dm(dtype="float32"))  # the configs' data, float32
+    rf, _ = _fit("rf.yaml", tmp_path / "rf")
+    assert torch.equal(rf.w.detach(), init.w.detach()) and torch.equal(rf.b.detach(), init.b.detach())
+    assert not torch.equal(rf.a.detach(), init.a.detach())
+    one, _ = _fit("one_step.yaml", tmp_path / "one")
+    two, _ = _fit("two_step.yaml", tmp_path / "two")
+    assert one.final_metrics()["cos_step1"] == pytest.approx(one.final_metrics()["cos_final"])
+    assert two.final_metrics()["cos_step2"] == pytest.approx(two.final_metrics()["cos_final"])
+    net, _ = _fit("network.yaml", tmp_path / "net")
+    assert net.neuron_figure() is not None and rf.neuron_figure() is None
+
+
+def test_hinge():
+    assert float(hinge(torch.tensor([2.0, 0.0]), torch.tensor([1.0, 3.0]))) == pytest.approx(1.5)
+
+
+@pytest.mark.parametrize("kw, field", [
+    (dict(width=0), "model.width"), (dict(mode="lazy"), "model.mode"), (dict(schedule="A99"), "model.schedule"),
+    (dict(lr3_mult=0.0), "model.lr3_mult"), (dict(reg3_mult=-1.0), "model.reg3_mult"),
+    (dict(sigma_w=float("nan")), "model.sigma_w"), (dict(steps=0), "model.steps"),
+])
+def test_bad_values_are_refused_naming_the_field(kw, field):
+    with pytest.raises(ConfigError) as info:
+        TwoLayerNetwork(**kw)
+    assert info.value.field == field
+
+
+def test_schedule_without_steps_is_refused():
+    model = TwoLayerNetwork(width=3).attach(_dm())
+    with pytest.raises(ConfigError, match="^model.steps"):
+        model.schedule_at(1)
