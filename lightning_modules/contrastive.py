@@ -37,10 +37,13 @@ from typing import Literal
 
 import torch
 
+from featlearn.checkpoints import class_path, read_checkpoint
 from featlearn.datamodules.sparse_coding import SparseCodingDataModule
+from featlearn.errors import ConfigError
 from featlearn.kernels.infonce import infonce_stopgrad
 from featlearn.kernels.soft_threshold import soft_threshold_layer
 from featlearn.lightning_modules.base import FeatureLearningModule
+from featlearn.lightning_modules.contrastive_regularization import ContrastiveRegularization
 from featlearn.metrics.figures import tensorboard_writer
 from featlearn.metrics.probes import SplitBuffer, all_gather_cat
 from featlearn.theory.contrastive import EVAL_KEYS, downstream_metrics, feature_metrics, feature_scalars, grown_bias
@@ -71,6 +74,10 @@ class ContrastiveModule(FeatureLearningModule):
             operand precision (``ieee`` default: stage-I signals are ~1e-2 relative; ``tf32``/``auto`` for speed).
         probe_ridge: relative ridge of the regression probes. probe_max_samples: cap on probe samples.
         seed: seed of the weight initialisation (independent of the data seed).
+        cr_reference: contrastive regularisation (seed 003 ch. 7, Prop F.9): a checkpoint of this module
+            (same width and d1) whose ``w`` (and bias) start the run and stay its reference.
+        cr_gamma: the trust-region radius: after every step ``||w - w*||_F <= cr_gamma``
+            (:class:`~featlearn.lightning_modules.contrastive_regularization.ContrastiveRegularization`).
     """
 
     # normal runs: weight norm up to 17x over 20 steps (stage II from a tiny init), |loss| up to 1.9x
@@ -97,8 +104,14 @@ class ContrastiveModule(FeatureLearningModule):
         probe_ridge: NonNegativeFloat = 1e-4,
         probe_max_samples: int_at_least(2) = 8000,  # the probes standardise features over their samples
         seed: int = 0,
+        cr_reference: str | None = None,
+        cr_gamma: PositiveFloat | None = None,
     ):
         check_args("model", ContrastiveModule.__init__, locals())
+        if (cr_reference is None) != (cr_gamma is None):
+            missing = "cr_gamma" if cr_gamma is None else "cr_reference"
+            raise ConfigError(f"model.{missing}", "set together with "
+                              f"model.{'cr_reference' if missing == 'cr_gamma' else 'cr_gamma'}", None)
         super().__init__()
         self.save_hyperparameters()
         self.hp = self.hparams
@@ -136,6 +149,26 @@ class ContrastiveModule(FeatureLearningModule):
         self.register_buffer("norm_T1", torch.zeros(self.m))
         self.register_buffer("rho_peak", torch.zeros(()), persistent=False)  # in the checkpoint's stage record
         self._prev_norm = None
+        self.cr = None
+        if hp.cr_reference is not None:
+            self._start_from_reference(hp.cr_reference)
+            self.cr = ContrastiveRegularization(gamma=hp.cr_gamma).anchor({"w": self.w})
+
+    def _start_from_reference(self, path: str) -> None:
+        """Copy ``w`` (and the bias) of a checkpoint of this module with the same sizes."""
+        ckpt = read_checkpoint("model.cr_reference", path)
+        wanted = f"{type(self).__module__}.{type(self).__qualname__}"
+        found = class_path(ckpt)
+        state = ckpt["state_dict"]
+        if (found is not None and found != wanted) or "w" not in state:
+            raise ConfigError("model.cr_reference", f"a checkpoint of {type(self).__name__}", f"{path} ({found})")
+        if state["w"].shape != self.w.shape:
+            raise ConfigError("model.cr_reference", f"a checkpoint with w of shape {tuple(self.w.shape)} (width x d1)",
+                              f"{path} (w {tuple(state['w'].shape)})")
+        with torch.no_grad():
+            self.w.copy_(state["w"])
+            if "bias" in state:
+                self.bias.copy_(state["bias"])
 
     def configure_optimizers(self):
         groups = [{"params": [self.w], "weight_decay": self.lam}]
@@ -210,6 +243,8 @@ class ContrastiveModule(FeatureLearningModule):
                                        self.kappa_b))
         if hp.bias_mode == "learned" and hp.clamp_bias_nonneg:
             self.bias.clamp_(min=0.0)
+        if self.cr is not None:
+            self.cr.project_({"w": self.w})
         if self.T1 is not None and self.T2 is None:
             if float((norm ** 2 / self.norm_T1.clamp_min(1e-30) ** 2).max()) >= self.d:
                 self.T2 = step
