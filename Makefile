@@ -14,7 +14,7 @@ else
 INSTALL_TORCH := $(PY) -m pip install -q torch==2.13.0+cpu || $(PY) -m pip install -q torch==2.13.0+cpu --index-url $(TORCH_CPU_INDEX)
 endif
 
-.PHONY: experiment test test-all contrastive noncontrastive bench tensorboard clean
+.PHONY: experiment test test-all contrastive noncontrastive two-layer universality large-k profile bench tensorboard clean
 
 experiment: $(STAMP)  ## the main job: MRP pretrain -> fine-tune vs supervised learning (seed 000)
 	$(PY) -m featlearn.experiments.mrp --grid --out runs/mrp
@@ -30,6 +30,18 @@ contrastive: $(STAMP)  ## seed 001: contrastive learning with vs without RandomM
 
 noncontrastive: $(STAMP)  ## seed 004: prediction head vs no head
 	$(PY) -m featlearn.experiments.noncontrastive
+
+two-layer: $(STAMP)  ## seed 003 ch. 2: Table A.1 (parity, d = 500), network vs NTK / RF / One Step / Two Step
+	$(PY) -m featlearn.experiments.two_layer --seed 0 --out runs/two_layer
+
+universality: $(STAMP)  ## seed 003 ch. 7: universality vs label efficiency, contrastive regularisation
+	$(PY) -m featlearn.experiments.universality --seed 0 1 2 --out runs/universality
+
+large-k: $(STAMP)  ## MRP over k on one CPU thread (configs/large_k/mrp_k_cpu.yaml), resumable
+	$(PY) -m featlearn.experiments.sweep --config configs/large_k/mrp_k_cpu.yaml --seed 0 --out runs/large_k/mrp_k_cpu
+
+profile: $(STAMP)  ## a torch.profiler trace of 10 MRP steps (runs/profile; tensorboard --logdir runs/profile)
+	$(VENV)/bin/featlearn profile --config configs/mrp/teacher_student.yaml --steps 10 --out runs/profile
 
 bench: $(STAMP)  ## op and training-step benchmarks at the CPU sizes (benchmarks/results/bench/)
 	$(VENV)/bin/featlearn bench op --size tiny --threads 1 --repeats 30 --out benchmarks/results/bench

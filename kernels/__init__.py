@@ -5,6 +5,8 @@ from featlearn.kernels.infonce import infonce_grad_closed_form, infonce_referenc
 from featlearn.kernels.masked_attention import masked_attention, masked_attention_reference
 from featlearn.kernels.bn_cosine_loss import bn_column_stats, bn_cosine_loss, bn_cosine_loss_reference
 from featlearn.kernels.patch_activation_sum import PatchSums, patch_activation_sum, patch_activation_sum_reference
+from featlearn.kernels.smoothed_clamp import (gaussian_smoothed_clamp, gaussian_smoothed_clamp_derivative,
+                                              smoothed_clamp_layer, smoothed_clamp_reference)
 from featlearn.kernels.soft_threshold import soft_threshold_layer, soft_threshold_reference, symmetric_relu
 
 __all__ = [
@@ -23,6 +25,10 @@ __all__ = [
     "PatchSums",
     "patch_activation_sum",
     "patch_activation_sum_reference",
+    "gaussian_smoothed_clamp",
+    "gaussian_smoothed_clamp_derivative",
+    "smoothed_clamp_layer",
+    "smoothed_clamp_reference",
     "smoothed_relu",
     "smoothed_relu_derivative",
     "soft_threshold_layer",

@@ -16,7 +16,12 @@ MODULES = ["featlearn.experiments.common", "featlearn.experiments.mrp", "featlea
            "featlearn.kernels.patch_activation_sum", "featlearn.kernels.bn_cosine_loss",
            "featlearn.kernels.masked_attention", "featlearn.datamodules.global_local_patches", "featlearn.theory.vit",
            "featlearn.lightning_modules.vit_mae", "featlearn.lightning_modules.vit_cl",
-           "featlearn.lightning_modules.vit_common", "featlearn.callbacks.profiling"]
+           "featlearn.lightning_modules.vit_common", "featlearn.callbacks.profiling",
+           "featlearn.kernels.smoothed_clamp", "featlearn.theory.two_layer", "featlearn.datamodules.structured_parity",
+           "featlearn.lightning_modules.two_layer", "featlearn.datamodules.hidden_representation",
+           "featlearn.theory.universality", "featlearn.lightning_modules.universality",
+           "featlearn.lightning_modules.contrastive_regularization", "featlearn.experiments.universality",
+           "featlearn.experiments.sweep"]
 
 
 @pytest.mark.parametrize("name", MODULES)

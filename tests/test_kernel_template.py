@@ -21,6 +21,7 @@ OPS = {
     "bn_cosine_loss": ("bn_cosine_loss", "BNCosineLossFunction", "_bn_cosine"),
     "infonce": ("infonce_stopgrad", "InfoNCEStopGradFunction", None),
     "masked_attention": ("masked_attention", "MaskedAttentionFunction", "_masked_attn"),
+    "smoothed_clamp": ("smoothed_clamp_layer", "SmoothedClampFunction", "_smoothed_clamp"),
 }
 SHARED = {"backend", "activations"}  # helper modules, not ops
 
