@@ -14,7 +14,7 @@ else
 INSTALL_TORCH := $(PY) -m pip install -q torch==2.13.0+cpu || $(PY) -m pip install -q torch==2.13.0+cpu --index-url $(TORCH_CPU_INDEX)
 endif
 
-.PHONY: experiment test test-all contrastive noncontrastive two-layer universality large-k profile bench tensorboard clean
+.PHONY: experiment test test-all contrastive noncontrastive vit two-layer universality large-k profile bench tensorboard clean
 
 experiment: $(STAMP)  ## the main job: MRP pretrain -> fine-tune vs supervised learning (seed 000)
 	$(PY) -m featlearn.experiments.mrp --grid --out runs/mrp
@@ -30,6 +30,9 @@ contrastive: $(STAMP)  ## seed 001: contrastive learning with vs without RandomM
 
 noncontrastive: $(STAMP)  ## seed 004: prediction head vs no head
 	$(PY) -m featlearn.experiments.noncontrastive
+
+vit: $(STAMP)  ## seed 002: one-layer softmax ViT, MAE vs contrastive learning across Delta (~5 min on one CPU thread)
+	$(PY) -m featlearn.experiments.vit --out runs/vit
 
 two-layer: $(STAMP)  ## seed 003 ch. 2: Table A.1 (parity, d = 500), network vs NTK / RF / One Step / Two Step
 	$(PY) -m featlearn.experiments.two_layer --seed 0 --out runs/two_layer
