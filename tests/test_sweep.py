@@ -2,6 +2,7 @@
 refuses bad sweep files naming the field, and fits the growth exponent."""
 import json
 import math
+from pathlib import Path
 
 import pytest
 import yaml
@@ -138,3 +139,11 @@ def test_rules():
     assert Rule(of="k", power=-1, times=0.02).apply(16) == pytest.approx(0.02 / 16)
     assert Rule(of="k", table={16: 400, 512: 15}).apply(512) == 15
     assert Rule(of="k", times=4, at_least=256, round="ceil").text("d") == "d = max(256, ceil(4 k))"
+
+
+@pytest.mark.parametrize("path", sorted(Path("configs/large_k").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_sweep_file_resolves(path):
+    """Each shipped sweep parses, and every point's settings resolve against its base config (no run)."""
+    sweep = sweep_module.load_sweep(path)
+    resolved = sweep_module.resolve_points(sweep, list(sweep.seeds) or [0])
+    assert len(resolved) == len(list(sweep.points())) >= 2
