@@ -7,11 +7,11 @@ augmentation the features stay dense, so no singletons. Two equal-bias compariso
 differing only in ``data.augment`` (checked below):
 
 * learned bias for both (footnote 4): the prediction holds. RandomMask coverage 1.0 at both seeds
-  (b/||w|| +0.35, +0.30), no augmentation 0.0 (b/||w|| -0.91: the learned bias goes negative).
+  (b/||w|| +0.46, +0.55), no augmentation 0.0 (b/||w|| -0.91: the learned bias goes negative).
 * the paper's schedule for both, reset at the same fixed step 40 (RandomMask's own T1 here is 38-39;
   without augmentation min_i rho_i never reaches 1/2 at d=16, so a detected T1 would leave b = 0 and the
-  comparison unequal): the prediction FAILS. Without augmentation coverage is 1.0 at both seeds (45/64
-  singletons, rho 0.96, b/||w|| 0.69 as with RandomMask); kept as a strict xfail.
+  comparison unequal): the prediction FAILS. Without augmentation coverage is 1.0 at both seeds (45 and 40
+  of 64 singletons, rho 0.96; RandomMask 0.94 and 1.0, b/||w|| 0.69 as with RandomMask); kept as a strict xfail.
 
 ~45 s on one thread.
 """
