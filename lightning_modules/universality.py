@@ -49,6 +49,7 @@ from featlearn.datamodules.hidden_representation import HiddenRepresentationData
 from featlearn.errors import ConfigError
 from featlearn.lightning_modules.base import FeatureLearningModule
 from featlearn.lightning_modules.contrastive_regularization import ContrastiveRegularization
+from featlearn.metrics.probes import all_gather_cat_with_grad
 from featlearn.theory.universality import (closed_form_representation, column_norms, contrastive_loss_closed_form,
                                            downstream_errors, group_means, predicted_column_norms,
                                            project_spectral_frobenius)
@@ -176,7 +177,12 @@ class LinearContrastive(FeatureLearningModule):
         return x @ self.w.t()
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-        loss = contrastive_loss(self(batch["x"]), self(batch["x_pos"]), self.hp.loss, self.hp.temperature)
+        f, f_pos = self(batch["x"]), self(batch["x_pos"])
+        if self.hp.loss == "pca":  # per-pair: no other sample enters
+            loss = contrastive_loss(f, f_pos, "pca")
+        else:  # the other samples of the GLOBAL batch are the negatives (rank-major = one process's order)
+            loss = contrastive_loss(all_gather_cat_with_grad(f), all_gather_cat_with_grad(f_pos), self.hp.loss,
+                                    self.hp.temperature)
         if self._trainer is not None and self.theory_due():
             self.log("loss/contrastive", loss, prog_bar=True)
         return loss

@@ -109,3 +109,28 @@ def all_gather_cat(t: torch.Tensor) -> torch.Tensor:
     parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
     dist.all_gather(parts, t.contiguous())
     return torch.cat(parts)
+
+
+class _GatherWithGrad(torch.autograd.Function):
+    """All ranks' rows in rank order; the backward hands each rank the summed gradient of its own rows."""
+
+    @staticmethod
+    def forward(ctx, t):
+        ctx.rows = t.shape[0]
+        return all_gather_cat(t)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad)  # every rank's loss may read every rank's rows
+        start = dist.get_rank() * ctx.rows
+        return grad[start:start + ctx.rows]
+
+
+def all_gather_cat_with_grad(t: torch.Tensor) -> torch.Tensor:
+    """:func:`all_gather_cat` through autograd (``t`` itself on one process): a loss that reads the global
+    batch (its mean, other samples as negatives) gets the gradient one process would, once DDP has averaged
+    the ranks' parameter gradients. Every rank must hold the same number of rows."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return t
+    return _GatherWithGrad.apply(t)
