@@ -111,6 +111,9 @@ class FeatlearnCLI(LightningCLI):
             super().instantiate_classes()
         except (ValueError, TypeError) as err:  # jsonargparse wraps what a class raises in its own error
             config_error = _config_error(err)
+            if config_error is None and _raised_by_trainer(err):  # e.g. fsdp without a GPU
+                config_error = ConfigError("trainer", "a combination of settings the Trainer accepts",
+                                           str(err).splitlines()[0])
             if config_error is None:
                 raise
             raise config_error from None
@@ -206,6 +209,16 @@ def _config_error(err: Exception) -> ConfigError | None:
             allowed, _, got = rest.rpartition(", got ")
             return ConfigError(field, allowed or rest, got)
     return None
+
+
+def _raised_by_trainer(err: BaseException) -> bool:
+    """Whether Lightning's Trainer set-up (accelerator, strategy, precision connectors) raised ``err``."""
+    tb = err.__traceback__
+    while tb is not None:
+        if "lightning/pytorch/trainer/" in tb.tb_frame.f_code.co_filename.replace("\\", "/"):
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def _results_not_placeholders(logger) -> None:

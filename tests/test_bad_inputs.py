@@ -84,6 +84,9 @@ CASES = [
     (ONE + ["mrp/finetune"], ["--trainer.accumulate_grad_batches", "2"], "trainer.accumulate_grad_batches"),
     (["mrp/teacher_student"], ["--trainer.accelerator", "cpu", "--trainer.strategy", "ddp", "--trainer.devices", "2",
                                D + "num_pretrain", "1001"], "data.num_pretrain"),     # full batch over 2 devices
+    # Lightning's own refusal while building the Trainer (FSDP needs a GPU) is a one-line error, no traceback
+    (["mrp/teacher_student"], ["--trainer.accelerator", "cpu", "--trainer.strategy", "fsdp", "--trainer.devices", "2"],
+     "trainer"),
     # ---- the wrong field named ------------------------------------------------------------------
     (["mrp/teacher_student", "mrp/mae"], [D + "num_pretrain", "0"], "data.num_pretrain"),
     (["mrp/mae"], [M + "q", "3"], "model.q"),                                       # MAE needs q >= 4
