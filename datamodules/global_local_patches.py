@@ -10,9 +10,9 @@ rotates all of them by one Haar-random orthogonal matrix. ``d`` defaults to ``ro
 
 Partitions are fixed for the run (a function of the seed): ``layout="random"`` gives each cluster a random
 permutation of the positions, the first ``C_1`` global, the rest cut into local areas of ``C_s``;
-``"grid"`` tiles the ``sqrt(P) x sqrt(P)`` grid into ``h x w = C_s`` tiles (shifted per cluster by a random
-offset, tiles wrapping around the edges, so clusters never share a partition) and makes a random set of
-``C_1 / C_s`` tiles the global area.
+``"grid"`` tiles the ``sqrt(P) x sqrt(P)`` grid into ``h x w = C_s`` tiles (shifted per cluster by its own
+offset in ``[0, h) x [0, w)``, tiles wrapping around the edges, so clusters never share a local area; hence
+``K <= C_s``) and makes a random block of ``C_1 / C_s`` tiles the global area (spec 1.7).
 
 Batches are structured (the model builds dense ``x`` only where it needs it)::
 
@@ -116,6 +116,10 @@ class GlobalLocalPatchDataModule(SyntheticDataModule):
             raise ConfigError("data.d", f"at least P + K N = {P} + {K} x {n_areas} = {need} (positions and "
                                         f"features are orthonormal)", d)
         tile = _tile_shape(P, sizes["C_s"]) if layout == "grid" else None
+        if tile is not None and K > tile[0] * tile[1]:
+            raise ConfigError("data.K", f"at most C_s = {tile[0] * tile[1]} with layout 'grid' (each cluster tiles the "
+                                        f"grid with its own offset of the {tile[0]} x {tile[1]} tiles, spec 1.2: "
+                                        f"clusters never share a partition)", K)
         super().__init__(mode=mode, batch_size=batch_size, num_val=num_val, num_test=num_test, **synthetic)
         self.P, self.K, self.d, self.layout, self.basis = P, K, d, layout, basis
         self.C_1, self.C_s, self.n_local, self.n_areas = sizes["C_1"], sizes["C_s"], sizes["n_local"], n_areas
@@ -197,15 +201,36 @@ class GlobalLocalPatchDataModule(SyntheticDataModule):
             partition.scatter_(1, perm, rank_area.expand(K, P).contiguous())
             return partition
         side, (h, w) = math.isqrt(P), self.tile
-        shift = rng.randint(self.seed, _G_PARTITION, clusters, (2,), max(h, w))            # [K, 2]
+        # distinct tilings: cluster k's tile corners sit at offset (dr, dc) in [0, h) x [0, w), the offsets
+        # a random permutation of the h w possible ones (K <= h w, checked in __init__), so no two clusters
+        # share a local area
+        offsets = rng.permutation(self.seed, _G_PARTITION, torch.zeros((), dtype=torch.int64), h * w)[:K]
+        dr, dc = (offsets // w).view(K, 1, 1), (offsets % w).view(K, 1, 1)
         rows, cols = torch.arange(side).view(1, side, 1), torch.arange(side).view(1, 1, side)
-        tile = ((rows + shift[:, 0, None, None]) % side) // h * (side // w) + ((cols + shift[:, 1, None, None]) % side) // w
-        n_tiles = P // C_s
-        order = rng.permutation(self.seed, _G_TILES, clusters, n_tiles)                      # [K, tiles]
+        t_rows, t_cols = side // h, side // w                                               # the grid of tiles
+        tile_r, tile_c = ((rows - dr) % side) // h, ((cols - dc) % side) // w                # [K, side, side]
+        # the global area: a random block of C_1 / C_s tiles (bh x bw, as square as fits the tile grid; a
+        # row-major run of tiles if no rectangle does), its corner tile uniform on the torus of tiles
         n_global = C_1 // C_s
-        tile_area = torch.cat([torch.zeros(n_global, dtype=torch.int64),
-                               1 + torch.arange(n_tiles - n_global, dtype=torch.int64)])
-        area_of_tile = torch.empty(K, n_tiles, dtype=torch.int64).scatter_(1, order, tile_area.expand(K, -1).contiguous())
+        blocks = [(bh, n_global // bh) for bh in range(1, t_rows + 1)
+                  if n_global % bh == 0 and n_global // bh <= t_cols]
+        corner = rng.randint(self.seed, _G_TILES, clusters, (2,), t_rows * t_cols)           # [K, 2]
+        c_r, c_c = (corner[:, 0] % t_rows).view(K, 1, 1), (corner[:, 1] % t_cols).view(K, 1, 1)
+        rel_r, rel_c = (tile_r - c_r) % t_rows, (tile_c - c_c) % t_cols
+        if blocks:
+            bh, bw = min(blocks, key=lambda b: abs(b[0] - b[1]))
+            is_global = (rel_r < bh) & (rel_c < bw)
+        else:
+            is_global = rel_r * t_cols + rel_c < n_global
+        tile = tile_r * t_cols + tile_c                                                      # [K, side, side]
+        # local areas: the other tiles, numbered in a random order per cluster
+        order = rng.permutation(self.seed, _G_TILES + 100, clusters, t_rows * t_cols)        # [K, tiles]
+        tile_global = torch.zeros(K, t_rows * t_cols, dtype=torch.bool).scatter_(
+            1, tile.reshape(K, P), is_global.reshape(K, P))
+        rank = torch.empty_like(order).scatter_(1, order, torch.arange(t_rows * t_cols).expand(K, -1).contiguous())
+        rank = rank.masked_fill(tile_global, -1)            # global tiles first, then the others in random order
+        area_of_tile = torch.argsort(torch.argsort(rank, dim=1, stable=True), dim=1, stable=True) - n_global + 1
+        area_of_tile = area_of_tile.clamp_min(0)
         return area_of_tile.gather(1, tile.reshape(K, P))
 
     def _const(self, name: str, device) -> torch.Tensor:

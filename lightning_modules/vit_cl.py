@@ -41,7 +41,7 @@ import torch.distributed as dist
 from featlearn.errors import ConfigError
 from featlearn.kernels.backend import resolve_backend
 from featlearn.kernels.masked_attention import masked_attention
-from featlearn.lightning_modules.vit_common import GlobalLocalViT, attention_metrics
+from featlearn.lightning_modules.vit_common import GlobalLocalViT, attention_sums, distributed, global_means
 from featlearn.metrics.figures import tensorboard_writer
 from featlearn.metrics.probes import all_gather_cat
 from featlearn.theory.vit import cl_loss_floor, init_values, patch_vectors
@@ -158,7 +158,7 @@ class ViTCL(GlobalLocalViT):
             f2 = self.pooled(rows.detach(), x.masked_fill(m2.unsqueeze(-1), 0.0))[0]
             fx = self.pooled(rows.detach(), x)[0]
         own = torch.arange(x.shape[0], device=x.device)
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        if distributed():
             own = own + dist.get_rank() * x.shape[0]  # every rank holds the same B (SyntheticDataModule)
             fx = all_gather_cat(fx)
         per_anchor, p_pos = infonce_in_batch(f1, f2, fx, own, self.tau)
@@ -166,32 +166,37 @@ class ViTCL(GlobalLocalViT):
                 "A": A, "n_neg": fx.shape[0] - 1}
 
     def metrics(self, batch: dict, out: dict) -> dict[str, torch.Tensor]:
-        """Attention of every query of the anchor view, the positive probability, ``||Q||_F``, the noise
-        picked up by the query rows and what the representation holds (device tensors)."""
+        """The loss, the attention of every query of the anchor view, the positive probability, ``||Q||_F``,
+        the noise picked up by the query rows and what the representation holds (device tensors); under DDP
+        those of the global batch (one all_reduce over the anchors of every rank, so every rank calls it)."""
         area, m1 = batch["area"], batch["mask1"]
         unmasked_count = torch.zeros(area.shape[0], self.n_areas, dtype=torch.int64, device=area.device)
         unmasked_count.scatter_add_(1, area, (~m1).long())
-        met = attention_metrics(out["A"], area, unmasked_count.gather(1, area) > 0)
-        rows = self.query_rows().detach()
-        residual = rows - (rows @ self.E.T) @ self.E - (rows @ self.V.T) @ self.V  # off span{e, v}: noise
+        pairs = attention_sums(out["A"], area, unmasked_count.gather(1, area) > 0)
         content = (out["F1"] @ self.V.T).view(-1, self.K, self.n_areas)
         content = content[torch.arange(content.shape[0], device=content.device), batch["cluster"]].abs()
-        met.update({"p_pos": out["p_pos"].mean(), "Q_fro": self.Q.detach().norm(),
-                    "noise_pickup": residual.norm(dim=1).mean(), "repr_global": content[:, 0].mean(),
-                    "repr_local": content[:, 1:].mean()})
+        B = out["per_anchor"].new_tensor(out["per_anchor"].shape[0])
+        pairs.update({"loss": (out["per_anchor"].sum(), B), "p_pos": (out["p_pos"].sum(), B),
+                      "repr_global": (content[:, 0].sum(), B),
+                      "repr_local": (content[:, 1:].sum(), B * (self.n_areas - 1))})
+        met = global_means(pairs)
+        rows = self.query_rows().detach()
+        residual = rows - (rows @ self.E.T) @ self.E - (rows @ self.V.T) @ self.V  # off span{e, v}: noise
+        met.update({"Q_fro": self.Q.detach().norm(), "noise_pickup": residual.norm(dim=1).mean()})
         return met
 
     # --- Lightning hooks ------------------------------------------------------------------------
     def training_step(self, batch, batch_idx):
         due = self.theory_due()
         out = self.batch_loss(batch, with_areas=due)
-        self._last_batch = batch
+        self.remember_batch(batch)
         if due and self._trainer is not None:
-            met = {"loss/train": out["loss"].detach(),
-                   "loss/objective": out["loss"].detach() + 0.5 * self.lam * self.Q.detach().square().sum(),
-                   **{f"attn/{k}" if k.startswith("attn") else f"cl/{k}": v for k, v in self.metrics(batch, out).items()}}
+            met = self.metrics(batch, out)
+            loss = met.pop("loss")
+            met = {"loss/train": loss, "loss/objective": loss + 0.5 * self.lam * self.Q.detach().square().sum(),
+                   **{f"attn/{k}" if k.startswith("attn") else f"cl/{k}": v for k, v in met.items()}}
             self.log_metrics(met)
-            if self.figures_due():
+            if self.figures_due() and tensorboard_writer(self._trainer) is not None:
                 self._log_figures(batch, out["A"])
         return out["loss"]
 
@@ -201,38 +206,38 @@ class ViTCL(GlobalLocalViT):
             self.log_metrics({f"corr/{k}": v for k, v in self.phi_metrics().items()})
 
     def validation_step(self, batch, batch_idx):
-        out = self.batch_loss(batch, with_areas=True)
-        self.log_metrics({"loss": out["loss"], **self.metrics(batch, out)}, prefix="val/")
+        # the negatives of a validation anchor are the other samples of the global validation batch (gathered
+        # from the ranks), and the means run over every rank's anchors: the values of one process that holds
+        # the whole global batch
+        self.log_metrics(self.metrics(batch, self.batch_loss(batch, with_areas=True)), prefix="val/")
 
-    def on_train_end(self) -> None:
-        if self._last_batch is not None and tensorboard_writer(self._trainer) is not None:
-            with torch.no_grad():
-                out = self.batch_loss(self._last_batch, with_areas=True)
-            self._log_figures(self._last_batch, out["A"])
-        super().on_train_end()
+    def evaluate(self, batch: dict) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        out = self.batch_loss(batch, with_areas=True)
+        met = {**self.metrics(batch, out), **self.phi_metrics(), "n_neg": torch.tensor(float(out["n_neg"]))}
+        return met, out["A"]
 
     @torch.no_grad()
     def _log_figures(self, batch: dict, A: torch.Tensor) -> None:
-        x = patch_vectors(batch["feat_id"][:1], batch["z"][:1], self.V) + batch["noise"][:1]
-        x = x.masked_fill(batch["mask1"][:1].unsqueeze(-1), 0.0)
-        attn = torch.softmax(self.query_rows() @ x[0].T, dim=-1)
-        self.log_attention_figures(A, batch["area"], self.sorted_map(attn, batch["area"][0]), self.sample_vmax)
+        x = patch_vectors(batch["feat_id"][:4], batch["z"][:4], self.V) + batch["noise"][:4]
+        x = x.masked_fill(batch["mask1"][:4].unsqueeze(-1), 0.0)
+        attn = torch.softmax(self.query_rows() @ x.transpose(1, 2), dim=-1)          # [<= 4, P, P] on X+
+        self.log_attention_figures(A, batch["area"], self.sorted_map(attn[0], batch["area"][0]), self.sample_vmax,
+                                   maps=(attn, batch["mask1"][:4]))
 
     def final_metrics(self) -> dict[str, float]:
         """Own-area attention of local and global queries, local queries' attention to the global area (the
         collapse), the final loss against the cluster-only optimum, the positive probability and the
         correlations, on the last training batch with the final parameters."""
-        if self._last_batch is None:
+        final = self.final_evaluation()
+        if final is None:
             return {}
-        with torch.no_grad():
-            out = self.batch_loss(self._last_batch, with_areas=True)
-            met = {"loss": out["loss"], **self.metrics(self._last_batch, out), **self.phi_metrics()}
+        met = final[0]
         host = dict(zip(met, torch.stack([v.detach().reshape(()).double() for v in met.values()]).tolist()))
         return {"own_area_local": host["attn_own_local_visible"], "own_area_local_all": host["attn_own_local"],
                 "own_area_global": host["attn_own_global"], "attn_global": host["attn_glob_from_local"],
                 "attn_glob_all": host["attn_glob_all"], "attn_to_masked": host["attn_to_masked"],
                 "attn_other_local": host["attn_other_local"], "final_loss": host["loss"],
-                "loss_floor": cl_loss_floor(out["n_neg"], self.K, self.tau), "p_pos": host["p_pos"],
+                "loss_floor": cl_loss_floor(int(host["n_neg"]), self.K, self.tau), "p_pos": host["p_pos"],
                 "phi_local_own": host["phi_local_own"], "phi_global_own": host["phi_global_own"],
                 "phi_local_to_global": host["phi_local_to_global"], "phi_other_absmax": host["phi_other_absmax"],
                 "phi_local_features_absmean": host["phi_local_features_absmean"],

@@ -10,19 +10,66 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 
 from featlearn.datamodules.global_local_patches import GlobalLocalPatchDataModule
 from featlearn.lightning_modules.base import FeatureLearningModule
 from featlearn.metrics import to_host
 from featlearn.metrics.figures import heatmap_figure, tensorboard_writer
+from featlearn.theory.vit import attention_diversity
 
 FIGURE_EVERY = 4  # attention figures and histograms on every 4th logged step (and at the end of training)
+
+
+def distributed() -> bool:
+    """Whether this process is one of several DDP ranks."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def global_means(pairs: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """``{name: sum / count}`` over the samples of every rank: one ``all_reduce`` of the stacked sums and
+    counts under DDP (so a metric is that of the global batch, whatever the device count), plain division
+    in one process. Every rank must call it with the same names (a collective).
+
+    Example:
+        >>> global_means({"a": (torch.tensor(3.0), torch.tensor(2.0))})["a"]
+        tensor(1.5000)
+    """
+    sums = torch.stack([torch.stack([s.detach().reshape(()), c.reshape(()).to(s.dtype)]) for s, c in pairs.values()])
+    if distributed():
+        dist.all_reduce(sums)
+    means = sums[:, 0] / sums[:, 1].clamp_min(1.0)
+    return dict(zip(pairs, means.unbind()))
+
+
+def attention_sums(A: torch.Tensor, own: torch.Tensor, visible: torch.Tensor
+                   ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The ``(sum, count)`` pairs behind :func:`attention_metrics` (to be reduced with other metrics'
+    pairs in one :func:`global_means`)."""
+    N = A.shape[-1] - 1
+    own_attn = A.gather(-1, own.unsqueeze(-1)).squeeze(-1)
+    local = own > 0
+    other = A[..., 1:N].clone()
+    other.scatter_(-1, (own - 1).clamp_min(0).unsqueeze(-1), 0.0)  # drop the own area (global queries: area 1's
+    other_max = other.amax(-1) if N > 1 else torch.zeros_like(own_attn)  # slot is never read, they are not local)
+
+    def part(values, where=None):
+        if where is None:
+            return values.sum(), values.new_tensor(values.numel())
+        w = where.to(values.dtype)
+        return (values * w).sum(), w.sum()
+
+    return {"attn_own_local": part(own_attn, local), "attn_own_local_visible": part(own_attn, local & visible),
+            "attn_own_global": part(own_attn, ~local), "attn_glob_from_local": part(A[..., 0], local),
+            "attn_glob_all": part(A[..., 0]), "attn_to_masked": part(A[..., N]),
+            "attn_other_local": part(other_max, local)}
 
 
 def attention_metrics(A: torch.Tensor, own: torch.Tensor, visible: torch.Tensor) -> dict[str, torch.Tensor]:
     """Spec 5.1 attention summaries from the area attention ``A [B, Pq, N + 1]`` (unmasked areas, then the
     masked keys), the area ``own [B, Pq]`` of each query (0 = global) and ``visible [B, Pq]`` (the query's own
-    area has an unmasked patch, the event ``E_{k,n}`` of Lemma D.6). Device tensors, no host sync.
+    area has an unmasked patch, the event ``E_{k,n}`` of Lemma D.6). Device tensors, no host sync; under DDP
+    means over every rank's queries (:func:`global_means`, a collective).
 
     ``attn_own_local`` / ``attn_own_global``: own-area attention of local / global queries
     (``attn_own_local_visible``: on the visible event only); ``attn_glob_from_local``: local queries'
@@ -35,21 +82,7 @@ def attention_metrics(A: torch.Tensor, own: torch.Tensor, visible: torch.Tensor)
         >>> round(float(m["attn_own_local"]), 3), round(float(m["attn_own_global"]), 3)
         (0.7, 0.9)
     """
-    N = A.shape[-1] - 1
-    own_attn = A.gather(-1, own.unsqueeze(-1)).squeeze(-1)
-    local = own > 0
-    other = A[..., 1:N].clone()
-    other.scatter_(-1, (own - 1).clamp_min(0).unsqueeze(-1), 0.0)  # drop the own area (global queries: area 1's
-    other_max = other.amax(-1) if N > 1 else torch.zeros_like(own_attn)  # slot is never read, they are not local)
-
-    def mean(values, where):
-        w = where.to(values.dtype)
-        return (values * w).sum() / w.sum().clamp_min(1.0)
-
-    return {"attn_own_local": mean(own_attn, local), "attn_own_local_visible": mean(own_attn, local & visible),
-            "attn_own_global": mean(own_attn, ~local), "attn_glob_from_local": mean(A[..., 0], local),
-            "attn_glob_all": A[..., 0].mean(), "attn_to_masked": A[..., N].mean(),
-            "attn_other_local": mean(other_max, local)}
+    return global_means(attention_sums(A, own, visible))
 
 
 def area_matrix(A: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
@@ -83,10 +116,15 @@ class GlobalLocalViT(FeatureLearningModule):
         self.register_ground_truth("partition", dm.partition)
         # positions sorted by their area in cluster 0: the heat maps' row order
         self.register_ground_truth("row_order", torch.argsort(dm.partition[0], stable=True))
+        # grid coordinates for the attention diversity of spec 6.1 (grid layout only)
+        self.has_grid = dm.layout == "grid"
+        if self.has_grid:
+            self.register_ground_truth("grid_coords", dm.grid_coordinates())
         self.register_buffer("phi_l2g_min", torch.zeros((), dtype=torch.float64))
         self.register_buffer("phi_l2g_argmin", torch.zeros((), dtype=torch.float64))
         self.register_buffer("phi_local_own_step1", torch.zeros((), dtype=torch.float64))
         self._last_batch: dict | None = None
+        self._final_eval: tuple[dict[str, torch.Tensor], torch.Tensor] | None = None
 
     # --- correlations -----------------------------------------------------------------------------
     def query_rows(self) -> torch.Tensor:
@@ -137,6 +175,35 @@ class GlobalLocalViT(FeatureLearningModule):
     def heatmaps(self) -> dict[str, torch.Tensor]:
         return {"correlation": self.correlations()[self.row_order]}
 
+    # --- the end of training ------------------------------------------------------------------------
+    def evaluate(self, batch: dict) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """``(metrics of the global batch (device tensors), this rank's area attention A)`` of ``batch`` with
+        the current parameters; collectives inside under DDP, so every rank calls it."""
+        raise NotImplementedError
+
+    def remember_batch(self, batch: dict) -> None:
+        """Keep the last training batch for the end-of-training results (which it invalidates)."""
+        self._last_batch, self._final_eval = batch, None
+
+    def final_evaluation(self) -> tuple[dict[str, torch.Tensor], torch.Tensor] | None:
+        """:meth:`evaluate` of the last training batch with the final parameters, computed once."""
+        if self._final_eval is None and self._last_batch is not None:
+            with torch.no_grad():
+                self._final_eval = self.evaluate(self._last_batch)
+        return self._final_eval
+
+    def on_train_end(self) -> None:
+        # Every rank evaluates the last batch here, before rank 0 alone draws and logs: the evaluation holds
+        # collectives (the metrics' all_reduce, CL's all_gather of the negatives), which a call behind rank 0's
+        # logger check would pair with another collective of rank 1 (a deadlock or garbage).
+        final = self.final_evaluation()
+        if final is not None and tensorboard_writer(self._trainer) is not None:
+            self._log_figures(self._last_batch, final[1])
+        super().on_train_end()
+
+    def _log_figures(self, batch: dict, A: torch.Tensor) -> None:
+        raise NotImplementedError
+
     # --- logging ------------------------------------------------------------------------------------
     def log_metrics(self, metrics: dict[str, torch.Tensor], prefix: str = "") -> None:
         host = to_host({k: v.detach().reshape(()) for k, v in metrics.items()})
@@ -147,14 +214,27 @@ class GlobalLocalViT(FeatureLearningModule):
         trainer = self._trainer
         return trainer is not None and (self.global_step // max(1, trainer.log_every_n_steps)) % FIGURE_EVERY == 0
 
+    def diversity(self, attn: torch.Tensor, masked: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Spec 6.1 attention diversity (top-10, :func:`featlearn.theory.vit.attention_diversity`) of every
+        query's attention ``attn [B, P, P]`` on the grid, averaged over the samples: with the masked keys
+        (``masked [B, P]``) among the top-n (``diversity``) and without them (``diversity_unmasked``)."""
+        top_n = min(10, self.P)
+        keep = max(1, int((~masked).sum(1).min()))
+        return {"diversity": attention_diversity(attn, self.grid_coords, top_n).mean(),
+                "diversity_unmasked": attention_diversity(attn, self.grid_coords, min(top_n, keep), masked).mean()}
+
     def log_attention_figures(self, A: torch.Tensor, own: torch.Tensor, sample_map: torch.Tensor,
-                              sample_vmax: float) -> None:
+                              sample_vmax: float, maps: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """The area-level attention matrix and one sample's query x key attention (sorted by area), with
-        fixed colour scales, and histograms of the own-area and to-global correlations."""
+        fixed colour scales, histograms of the own-area and to-global correlations and, on the grid layout,
+        the attention diversity of ``maps = (attention of every query [b, P, P], masked keys [b, P])``."""
         writer = tensorboard_writer(self._trainer)
         if writer is None:
             return
         step = self.global_step
+        if maps is not None and self.has_grid:
+            for name, value in self.diversity(*maps).items():
+                writer.add_scalar(f"attn/{name}", float(value), step)
         self.log_figure("attention/areas", heatmap_figure(
             area_matrix(A.detach(), own), xlabel="key area (0 = global; last column: masked keys)",
             ylabel="query area (0 = global)", vmax=1.0, diverging=False, title=f"mean area attention, step {step}"))

@@ -14,9 +14,9 @@ so only the positional rows ``E Q`` ever change, and the logits are exactly
 Two paths (``path``):
 
 * ``structured`` (default, the CPU path and the oracle): the parameters are ``Phi [P, K N]`` and
-  ``Upsilon [P, P]`` themselves; cost ``O(B gamma P^2)``, no ``d``. SGD on them is SGD on ``Q`` exactly
-  (the gradient of ``Q`` lies in their span and the bases are orthonormal), so both paths follow the
-  same trajectory; noiseless data only.
+  ``Upsilon [P, P]`` themselves; cost ``O(B gamma P^2)`` (gathers by area and a scatter-add), no ``d``.
+  SGD on them is SGD on ``Q`` exactly (the gradient of ``Q`` lies in their span and the bases are
+  orthonormal), so both paths follow the same trajectory; noiseless data only.
 * ``dense``: ``Q [d, d]``, shared query rows ``Y = E Q`` and the fused op
   :func:`featlearn.kernels.masked_attention.masked_attention` with the masked positions as ``query_index``.
 
@@ -40,9 +40,9 @@ import torch
 
 from featlearn.errors import ConfigError
 from featlearn.kernels.masked_attention import masked_attention
-from featlearn.lightning_modules.vit_common import GlobalLocalViT, attention_metrics
+from featlearn.lightning_modules.vit_common import GlobalLocalViT, attention_sums, global_means
 from featlearn.metrics.figures import tensorboard_writer
-from featlearn.theory.vit import area_loss, eta_mae, init_values, loss_floor, patch_vectors
+from featlearn.theory.vit import area_loss, eta_mae, init_loss, init_values, loss_floor, patch_vectors
 from featlearn.validation import OpenUnitInterval, PositiveFloat, check_args, check_memory
 
 __all__ = ["ViTMAE"]
@@ -107,8 +107,11 @@ class ViTMAE(GlobalLocalViT):
             self.Q = torch.nn.Parameter(torch.zeros(d, d, dtype=dm.dtype))
         self.lr = self.hparams.lr if self.hparams.lr is not None else eta_mae(
             dm.P, dm.K, dm.C_s, self.gamma, self.z_moments[2])
-        self.floor = loss_floor(dm.P, dm.C_1, dm.C_s, dm.n_local, self.n_masked, self.z_moments[1])
+        # masked keys out of the softmax: a fully masked area costs more than 1/2 z^2 (theory.loss_floor)
+        z_min = (dm.z_low if dm.z_law == "uniform" else 1.0) if self.masked_keys == "exclude" else None
+        self.floor = loss_floor(dm.P, dm.C_1, dm.C_s, dm.n_local, self.n_masked, self.z_moments[1], z_min)
         self.init = init_values(dm.P, dm.C_1, dm.C_s, self.n_masked, masked_query=True)
+        self.init_loss = init_loss(dm.P, dm.C_1, dm.C_s, dm.n_local, self.n_masked, self.z_moments[1])
         # colour scale of the one-sample attention map: twice what a query gives each unmasked patch of its
         # own local area once it attends to that area only
         self.sample_vmax = min(1.0, 2.0 / max(1.0, (1 - self.gamma) * dm.C_s))
@@ -143,8 +146,10 @@ class ViTMAE(GlobalLocalViT):
         area, mask = batch["area"], batch["mask"]
         P, K, N = self.P, self.K, self.n_areas
         phi_sel = self.phi.view(P, K, N)[query_pos, batch["cluster"].unsqueeze(-1)]          # [B, Pq, N]
-        key_weight = torch.nn.functional.one_hot(area, N).to(phi_sel.dtype) * (batch["z"] * ~mask).unsqueeze(-1)
-        s = torch.baddbmm(torch.nn.functional.embedding(query_pos, self.upsilon), phi_sel, key_weight.transpose(1, 2))
+        # Phi[p, f(q)] gathered by the key's area: O(B Pq P), no (B, P, N) one-hot and no N-deep product
+        phi_key = phi_sel.gather(2, area.unsqueeze(1).expand(-1, query_pos.shape[1], -1))    # [B, Pq, P]
+        key_weight = (batch["z"] * ~mask).to(phi_sel.dtype).unsqueeze(1)                    # [B, 1, P]
+        s = torch.nn.functional.embedding(query_pos, self.upsilon) + phi_key * key_weight
         if self.masked_keys == "exclude":
             s = s.masked_fill(mask.unsqueeze(1), float("-inf"))
         return torch.softmax(s, dim=-1)
@@ -161,8 +166,9 @@ class ViTMAE(GlobalLocalViT):
         own = batch["area"].gather(1, query_pos)
         if self.path == "structured":
             attn = self.structured_attention(batch, query_pos)
-            groups = torch.nn.functional.one_hot(self.key_groups(batch), self.n_areas + 1).to(attn.dtype)
-            A = attn @ groups
+            # area sums by scatter_add_ (its backward a gather): O(B Pq P), spec 7.2
+            groups = self.key_groups(batch).unsqueeze(1).expand_as(attn)
+            A = attn.new_zeros(*attn.shape[:2], self.n_areas + 1).scatter_add(2, groups, attn)
             per_query = area_loss(A, batch["z_area"], own)
         else:
             x = patch_vectors(batch["feat_id"], batch["z"], self.V)
@@ -179,44 +185,59 @@ class ViTMAE(GlobalLocalViT):
         return per_query.sum(1).mean(), per_query, A
 
     def metrics(self, batch: dict, per_query: torch.Tensor, A: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Attention and loss metrics of one batch (device tensors)."""
+        """Attention and loss metrics of one batch (device tensors): ``loss`` (the objective), the per masked
+        patch ``loss_per_patch``, ``loss_local``, ``loss_global`` and :func:`attention_sums`' summaries; under
+        DDP those of the global batch (one all_reduce, so every rank calls it)."""
         query_pos, mask, area = batch["masked_idx"], batch["mask"], batch["area"]
         own = area.gather(1, query_pos)
         unmasked_count = torch.zeros(area.shape[0], self.n_areas, dtype=torch.int64, device=area.device)
         unmasked_count.scatter_add_(1, area, (~mask).long())
         visible = unmasked_count.gather(1, own) > 0
-        out = attention_metrics(A.detach(), own, visible)
         local = (own > 0).to(per_query.dtype)
         pq = per_query.detach()
-        out["loss_per_patch"] = pq.mean()
-        out["loss_local"] = (pq * local).sum() / local.sum().clamp_min(1.0)
-        out["loss_global"] = (pq * (1 - local)).sum() / (1 - local).sum().clamp_min(1.0)
-        return out
+        pairs = attention_sums(A.detach(), own, visible)
+        pairs.update({"loss": (pq.sum(), pq.new_tensor(pq.shape[0])),
+                      "loss_per_patch": (pq.sum(), pq.new_tensor(pq.numel())),
+                      "loss_local": ((pq * local).sum(), local.sum()),
+                      "loss_global": ((pq * (1 - local)).sum(), (1 - local).sum())})
+        met = global_means(pairs)
+        met["loss_ratio_init"] = met["loss_per_patch"] / self.init_loss["loss"]   # spec 5.1: against the Q = 0 loss
+        return met
 
     def upsilon_metrics(self) -> dict[str, torch.Tensor]:
-        """Spec 5.1 PP summaries: mean / max ``|Upsilon|`` over same-area pairs (any cluster), the diagonal
-        and the other pairs."""
+        """Spec 5.1 PP summaries of ``|Upsilon|``: over the same-area pairs of each cluster (means averaged
+        over the clusters, the max over them; ``same_local``: pairs in one local area), the diagonal and the
+        pairs that share an area in no cluster (``other``). Device tensors, no host sync."""
         ups = self.pp_correlations().abs()
         diag = torch.eye(self.P, dtype=torch.bool, device=ups.device)
-        same = self.same_area & ~diag
-        rest = ~(same | diag)
-        out = {}
-        for name, where in (("same_area", same), ("diag", diag), ("other", rest)):
-            values = ups[where] if bool(where.any()) else ups.new_zeros(1)
-            out[f"upsilon_{name}_absmean"], out[f"upsilon_{name}_absmax"] = values.mean(), values.max()
+
+        def mean_max(where):
+            w = where.to(ups.dtype)
+            return (ups * w).sum() / w.sum().clamp_min(1.0), (ups * w).amax()   # |Upsilon| >= 0: 0 off `where`
+
+        per_cluster = []
+        for part in self.partition:  # one cluster at a time: no (K, P, P) tensor
+            same = (part.unsqueeze(-1) == part.unsqueeze(0)) & ~diag
+            per_cluster.append((*mean_max(same), mean_max(same & (part > 0).unsqueeze(-1))[0]))
+        means, maxes, local_means = (torch.stack(v) for v in zip(*per_cluster))
+        out = {"upsilon_same_area_absmean": means.mean(), "upsilon_same_area_absmax": maxes.amax(),
+               "upsilon_same_local_absmean": local_means.mean()}
+        for name, where in (("diag", diag), ("other", ~(self.same_area | diag))):
+            out[f"upsilon_{name}_absmean"], out[f"upsilon_{name}_absmax"] = mean_max(where)
         return out
 
     # --- Lightning hooks ------------------------------------------------------------------------
     def training_step(self, batch, batch_idx):
         due = self.theory_due()
         loss, per_query, A = self.batch_loss(batch, with_areas=due)
-        self._last_batch = batch
+        self.remember_batch(batch)
         if due and self._trainer is not None:
-            met = {"loss/train": loss.detach(), **{f"attn/{k}" if k.startswith("attn") else f"loss/{k}": v
-                                                   for k, v in self.metrics(batch, per_query, A).items()}}
+            met = self.metrics(batch, per_query, A)
+            met = {"loss/train": met.pop("loss"), **{f"attn/{k}" if k.startswith("attn") else f"loss/{k}": v
+                                                     for k, v in met.items()}}
             met.update({f"loss/{k}": torch.tensor(v) for k, v in self.floor.items()})  # beside the curves
             self.log_metrics(met)
-            if self.figures_due():
+            if self.figures_due() and tensorboard_writer(self._trainer) is not None:
                 self._log_figures(batch, A)
         return loss
 
@@ -228,22 +249,19 @@ class ViTMAE(GlobalLocalViT):
 
     def validation_step(self, batch, batch_idx):
         loss, per_query, A = self.batch_loss(batch, with_areas=True)
-        met = {"loss": loss, **self.metrics(batch, per_query, A)}
-        self.log_metrics(met, prefix="val/")
+        self.log_metrics(self.metrics(batch, per_query, A), prefix="val/")
 
-    def on_train_end(self) -> None:
-        if self._last_batch is not None and tensorboard_writer(self._trainer) is not None:
-            with torch.no_grad():
-                _, _, A = self.batch_loss(self._last_batch, with_areas=True)
-            self._log_figures(self._last_batch, A)
-        super().on_train_end()
+    def evaluate(self, batch: dict) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        _, per_query, A = self.batch_loss(batch, with_areas=True)
+        return {**self.metrics(batch, per_query, A), **self.phi_metrics()}, A
 
     @torch.no_grad()
     def _log_figures(self, batch: dict, A: torch.Tensor) -> None:
-        one = {k: v[:1] for k, v in batch.items() if torch.is_tensor(v) and v.dim() >= 1}
-        attn = self.attention_of_all_queries(one)[0]
+        few = {k: v[:4] for k, v in batch.items() if torch.is_tensor(v) and v.dim() >= 1}
+        attn = self.attention_of_all_queries(few)                                   # [<= 4, P, P]
         own = batch["area"].gather(1, batch["masked_idx"])
-        self.log_attention_figures(A, own, self.sorted_map(attn, one["area"][0]), self.sample_vmax)
+        self.log_attention_figures(A, own, self.sorted_map(attn[0], few["area"][0]), self.sample_vmax,
+                                   maps=(attn, few["mask"]))
 
     @torch.no_grad()
     def attention_of_all_queries(self, batch: dict) -> torch.Tensor:
@@ -263,17 +281,16 @@ class ViTMAE(GlobalLocalViT):
         """Own-area attention of local and global masked queries, local queries' attention to the global
         area, the final loss and the floor (per masked patch), the dip of ``phi_local_to_global`` and the
         init references, on the last training batch with the final parameters."""
-        if self._last_batch is None:
+        final = self.final_evaluation()
+        if final is None:
             return {}
-        with torch.no_grad():
-            loss, per_query, A = self.batch_loss(self._last_batch, with_areas=True)
-            met = self.metrics(self._last_batch, per_query, A)
-            met.update(self.phi_metrics())
+        met = final[0]
         host = {k: float(v) for k, v in zip(met, torch.stack([v.detach().reshape(()).double() for v in met.values()]).tolist())}
         return {"own_area_local": host["attn_own_local_visible"], "own_area_local_all": host["attn_own_local"],
                 "own_area_global": host["attn_own_global"], "attn_global": host["attn_glob_from_local"],
                 "attn_to_masked": host["attn_to_masked"], "attn_other_local": host["attn_other_local"],
-                "final_loss": host["loss_per_patch"], "loss_floor": self.floor["floor"],
+                "final_loss": host["loss_per_patch"], "loss_ratio_init": host["loss_ratio_init"],
+                "loss_floor": self.floor["floor"],
                 "loss_local": host["loss_local"], "loss_global": host["loss_global"],
                 "loss_floor_local": self.floor["floor_local"], "loss_floor_global": self.floor["floor_global"],
                 "phi_local_own": host["phi_local_own"], "phi_global_own": host["phi_global_own"],

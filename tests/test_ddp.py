@@ -162,3 +162,49 @@ def test_two_processes_match_one(tmp_path, name):
 @pytest.mark.parametrize("name", sorted(set(CASES) - set(DEFAULT)))
 def test_two_processes_match_one_slow(tmp_path, name):
     _check(tmp_path, name)
+
+
+def _fit_logged(tmp_path: Path, config: str, overrides: list, devices: int, batch_size: int) -> dict[str, float]:
+    """One CLI run with the TensorBoard logger on and every step logged (theory metrics, figures, the
+    end-of-training figures and ``hp/`` results); returns its ``hp/`` scalars. A deadlock fails by timeout."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / f"logged_{devices}x{batch_size}"
+    common = list(COMMON)
+    del common[common.index("--trainer.logger"):common.index("--trainer.logger") + 2]
+    common[common.index("--trainer.max_steps") + 1] = "2"
+    common[common.index("--checkpoint.every_n_train_steps") + 1] = "2"
+    cmd = [str(CLI), "fit", "--config", str(ROOT / "configs" / config), *common, *overrides,
+           "--trainer.log_every_n_steps", "1", "--trainer.logger.init_args.save_dir", str(out),
+           "--trainer.devices", str(devices), "--trainer.default_root_dir", str(out),
+           "--checkpoint.dirpath", str(out / "ckpt"), "--data.batch_size", str(batch_size)]
+    env = {**os.environ, "MASTER_PORT": str(_free_port()), "MASTER_ADDR": "127.0.0.1", "OMP_NUM_THREADS": "1",
+           "PYTHONWARNINGS": "ignore"}
+    for key in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "GLOBAL_RANK", "RANK", "LOCAL_WORLD_SIZE"):
+        env.pop(key, None)
+    # its own process group, so that a hung rank 1 (launched by rank 0) is ended with it
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=150)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        proc.communicate()
+        pytest.fail(f"{' '.join(cmd)}: no end after 150 s (ranks waiting in mismatched collectives)")
+    assert proc.returncode == 0, f"{' '.join(cmd)}\n{stdout[-3000:]}\n{stderr[-3000:]}"
+    events = EventAccumulator(str(next(out.rglob("hparams.yaml")).parent), size_guidance={"scalars": 0})
+    events.Reload()
+    return {tag: events.Scalars(tag)[-1].value for tag in events.Tags()["scalars"] if tag.startswith("hp/")}
+
+
+@pytest.mark.parametrize("name", ["vit_cl", "vit_mae"])
+def test_vit_logged_run_ends_on_two_processes_with_the_one_process_results(tmp_path, name):
+    """With a logger, the end of training evaluates the last batch (CL: an all_gather of the negatives;
+    both: the metrics' all_reduce) on every rank before rank 0 draws; the ``hp/`` results are those of the
+    global batch, the same on one process with the doubled batch."""
+    config, overrides = CASES[name][:2]
+    double = _fit_logged(tmp_path, config, overrides, devices=2, batch_size=4)
+    single = _fit_logged(tmp_path, config, overrides, devices=1, batch_size=8)
+    assert "hp/final_loss" in double and double.keys() == single.keys()
+    for tag, value in single.items():
+        assert double[tag] == pytest.approx(value, rel=1e-4, abs=1e-6), tag

@@ -90,6 +90,31 @@ def test_grid_layout_tiles_the_torus():
     assert not torch.equal(dm.partition[0], dm.partition[1])
 
 
+@pytest.mark.parametrize("seed", range(20))
+def test_grid_clusters_share_no_local_area_and_the_global_area_is_a_block(seed):
+    """Spec 1.2: each cluster its own partition (no local area of one cluster is an area of another; with
+    offsets drawn from only h w values, 5 of these 20 seeds used to repeat a tiling at K = 4); spec 1.7: the
+    global area is a block of tiles (here 2 x 4 tiles of 4 x 4, up to a cyclic shift)."""
+    dm = GlobalLocalPatchDataModule(P=256, K=4, kappa_c=0.875, kappa_s=0.5, layout="grid", seed=seed)
+    part = dm.partition
+    areas = [{frozenset(torch.nonzero(part[k] == a).flatten().tolist()) for a in range(1, 9)} for k in range(4)]
+    for k in range(4):
+        for j in range(k + 1, 4):
+            assert not areas[k] & areas[j], (seed, k, j)
+    coords = dm.grid_coordinates()
+    for k in range(4):
+        rows, cols = coords[part[k] == 0].T
+        r, c = sorted(set(rows.tolist())), sorted(set(cols.tolist()))
+        assert len(rows) == 128 and len(r) * len(c) == 128        # a product set: rows x columns
+        for vals, size in ((r, len(r)), (c, len(c))):             # each a cyclic interval of the grid
+            assert size == 16 or any(set(vals) == {(v0 + i) % 16 for i in range(size)} for v0 in vals)
+
+
+def test_grid_refuses_more_clusters_than_tilings():
+    with pytest.raises(ConfigError, match="data.K:"):
+        GlobalLocalPatchDataModule(P=64, K=5, C_1=32, C_s=4, kappa_c=None, kappa_s=None, layout="grid")
+
+
 def test_samples_carry_their_area_vectors():
     dm = _dm(dtype="float64")
     b = dm.batch(torch.arange(16), "train")

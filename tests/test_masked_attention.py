@@ -94,6 +94,26 @@ def test_forward_backward_vs_float64(poisoned, backend, shape, mode, pad, n_grou
     assert max(_compare(backend, dtype, args, grad)) < TOL[dtype]
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("mode", ["index", "per_sample"])
+def test_fully_padded_key_tiles(poisoned, backend, mode, dtype):
+    """P = 37 (three 16-wide interpreter key tiles): sample 0 pads keys 0-15 (its whole first tile), sample 1
+    keys 16-36 (its last two tiles), so the online softmax starts from, or ends with, tiles of -inf logits."""
+    args, grad = _inputs(43, (2, 9, 37, 41, 19), mode, True, 3)
+    mask = torch.zeros(2, 37, dtype=torch.bool)
+    mask[0, :16] = True
+    mask[1, 16:] = True
+    args["key_padding_mask"] = mask
+    assert max(_compare(backend, dtype, args, grad)) < TOL[dtype]
+    out, groups = ma.masked_attention(**_cast(args, dtype, ()), backend=backend)
+    ref, ref_groups = ma.masked_attention_reference(**args)
+    # a padded key takes no attention: its group share comes from the unpadded keys only
+    only_unpadded = {**args, "values": args["values"] * (~mask).unsqueeze(-1)}
+    torch.testing.assert_close(ma.masked_attention_reference(**only_unpadded)[0], ref, rtol=1e-12, atol=1e-12)
+    assert torch.allclose(groups.double().sum(-1), torch.ones(2, 9, dtype=torch.float64), atol=10 * TOL[dtype])
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_large_logits_stay_accurate(poisoned, backend):
     # logits ~ +-30 (a trained MAE reaches log(P/eps) ~ 10-20): the online max keeps exp() in range

@@ -7,7 +7,6 @@ import math
 import warnings
 from pathlib import Path
 
-import lightning as L
 import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -115,7 +114,16 @@ def test_init_values_and_uniform_attention():
     want = theory.init_values(256, 128, 16, 128)
     assert float(met["attn_glob_from_local"]) == pytest.approx(want["attn_glob_from_local"], rel=0.05)
     assert float(met["attn_own_local"]) == pytest.approx(want["attn_own_local"], rel=0.1)
-    assert float(met["p_pos"]) == pytest.approx(float(out["p_pos"].mean()))
+    # the positive probability and the loss from their definitions, with F(X) = mean_q X_q of every view
+    f1, f2, fx = x1.double().mean(1), dm.dense(batch, "view2").double().mean(1), dm.dense(batch).double().mean(1)
+    p_pos = []
+    for i in range(32):
+        cands = torch.cat([f2[i:i + 1], fx[[j for j in range(32) if j != i]]])
+        p_pos.append(torch.softmax(cands @ f1[i] / model.tau, 0)[0])
+    p_pos = torch.stack(p_pos)
+    assert 0.0 < float(p_pos.mean()) < 0.5
+    assert float(met["p_pos"]) == pytest.approx(float(p_pos.mean()), rel=1e-4)
+    assert float(met["loss"]) == pytest.approx(float(-model.tau * p_pos.log().mean()), rel=1e-4)
     assert model.tau == pytest.approx(1 / math.log(384))
 
 
@@ -265,11 +273,12 @@ def test_docstring_examples():
 
 def test_fused_op_through_the_triton_kernel_matches_the_pooled_form():
     """pooling="op" on the op's Triton path (interpreter, tiny sizes) = the pooled PyTorch form (float32)."""
-    kw = dict(P=16, K=4, C_1=8, C_s=4, d=32, batch_size=3, dtype="float32")
+    # P = 37: three 16-wide interpreter key tiles (the last partial), d = 71: five d-tiles
+    kw = dict(P=37, K=4, C_1=9, C_s=4, d=71, batch_size=3, dtype="float32")
     pooled = ViTCL(gamma0=0.5, pooling="pooled").attach(_dm(**kw))
     fused = ViTCL(gamma0=0.5, pooling="op", backend="triton", input_precision="ieee").attach(_dm(**kw))
     with torch.no_grad():
-        pooled.Q[:16].copy_(torch.randn(16, 32, generator=torch.Generator().manual_seed(5)))
+        pooled.Q[:37].copy_(torch.randn(37, 71, generator=torch.Generator().manual_seed(5)))
         fused.Q.copy_(pooled.Q)
     dm = _dm(**kw)
     dm.use_cl_views(0.5)

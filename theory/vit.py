@@ -30,7 +30,8 @@ from featlearn.errors import ConfigError
 
 __all__ = ["information_gap", "area_sizes", "embedding_dim", "masked_count", "z_moments", "init_values",
            "prob_fully_masked", "loss_floor", "patch_vectors", "area_attention", "area_loss",
-           "mae_gradient_projections", "cl_gradient_rows", "eta_mae", "cl_loss_floor"]
+           "mae_gradient_projections", "cl_gradient_rows", "eta_mae", "cl_loss_floor", "attention_diversity",
+           "init_loss"]
 
 
 def information_gap(kappa_c: float, kappa_s: float) -> float:
@@ -170,19 +171,26 @@ def _log_comb(n: int, k: int) -> float:
     return math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1)
 
 
-def loss_floor(P: int, C_1: int, C_s: int, n_local: int, n_masked: int, Ez2: float) -> dict[str, float]:
+def loss_floor(P: int, C_1: int, C_s: int, n_local: int, n_masked: int, Ez2: float,
+               z_min: float | None = None) -> dict[str, float]:
     """The reported MAE floor per masked patch (spec 4.1, A6): ``1/2 E[z^2] P(area fully masked | p masked)``.
 
     A masked patch whose whole area is masked cannot be reconstructed: its best output is 0 (all attention
-    on masked keys), error ``1/2 z^2``. Returns ``floor_local`` and ``floor_global`` (per masked patch of
-    each kind) and ``floor`` (averaged over all masked patches: areas weighted by their sizes).
+    on masked keys), error ``1/2 z^2``. With the masked keys out of the softmax (``z_min``, the smallest
+    latent, given: the ``masked_keys="exclude"`` ablation) the attention must sum to 1 over the unmasked keys,
+    all in the (at most ``N - 1 = n_local``) other areas, so the error is at least ``1/2 (z_a^2 + z_min^2 /
+    n_local)`` there: the paper's ``L^low``. Returns ``floor_local`` and ``floor_global`` (per masked patch
+    of each kind) and ``floor`` (averaged over all masked patches: areas weighted by their sizes).
 
     Example:
         >>> round(loss_floor(256, 128, 16, 8, 192, 1.0)["floor_local"], 4)   # spec 4.1: about 0.006
         0.0057
+        >>> round(loss_floor(256, 128, 16, 8, 192, 1.0, z_min=1.0)["floor_local"], 4)   # x (1 + 1/8)
+        0.0064
     """
-    local = 0.5 * Ez2 * prob_fully_masked(P, C_s, n_masked)
-    glob = 0.5 * Ez2 * prob_fully_masked(P, C_1, n_masked)
+    err = 0.5 * (Ez2 + (z_min ** 2 / n_local if z_min is not None else 0.0))
+    local = err * prob_fully_masked(P, C_s, n_masked)
+    glob = err * prob_fully_masked(P, C_1, n_masked)
     return {"floor_local": local, "floor_global": glob, "floor": (C_1 * glob + n_local * C_s * local) / P}
 
 
@@ -312,3 +320,54 @@ def cl_loss_floor(n_neg: int, K: int, tau: float) -> float:
             (n_neg - n) * math.log1p(-p) if p < 1 else (0.0 if n == n_neg else -math.inf))
         total += math.exp(log_pmf) * math.log1p(n)
     return tau * total
+
+
+def attention_diversity(attn: torch.Tensor, coords: torch.Tensor, top_n: int = 10,
+                        drop_keys: torch.Tensor | None = None) -> torch.Tensor:
+    """The attention diversity of App. B (spec 6.1, A16) of attention maps ``attn [..., P, P]`` (queries x
+    keys) on a grid with coordinates ``coords [P, 2]``: every query's ``top_n`` keys by descending weight,
+    their coordinates concatenated into ``c_p`` (``2 top_n`` numbers), then the mean Euclidean distance
+    ``1/P^2 sum_{p, p'} ||c_p - c_p'||`` over all query pairs: ``[...]``. 0 when every query attends to the
+    same top-n keys in the same order (global attention); large when each query attends near itself.
+    ``drop_keys [..., P]`` (e.g. masked keys) are left out of the top-n.
+
+    Example:
+        >>> coords = torch.tensor([[0, 0], [0, 1], [1, 0], [1, 1]])
+        >>> float(attention_diversity(torch.eye(4), coords, top_n=1))        # own patch: mean pair distance
+        0.8535...
+        >>> float(attention_diversity(torch.eye(4)[[0, 0, 0, 0]], coords, top_n=1))   # all on key 0
+        0.0
+    """
+    if drop_keys is not None:
+        attn = attn.masked_fill(drop_keys.unsqueeze(-2), float("-inf"))
+    top = attn.topk(top_n, dim=-1).indices                                  # [..., P, n], descending weight
+    c = coords.to(torch.float64, copy=False)[top].flatten(-2)               # [..., P, 2 n]
+    return torch.cdist(c, c).mean((-2, -1))
+
+
+def init_loss(P: int, C_1: int, C_s: int, n_local: int, n_masked: int, Ez2: float) -> dict[str, float]:
+    """Expected MAE loss per masked patch at ``Q = 0`` (uniform attention, so ``A_m = |U cap P_m| / P``),
+    exactly: Lemma D.8 with, given the query p masked, ``|U cap P_m|`` hypergeometric (the ``P - n_masked``
+    unmasked positions among the other ``P - 1``; ``C_a - 1`` of them in p's own area). ``loss_local``,
+    ``loss_global`` and ``loss`` (over all masked patches); the denominator of the ``loss_ratio_init``
+    metric (spec 5.1). Spec 4.1's ``1/2 E[z^2] (1 - (1 - gamma) C_a / P)^2`` leaves out the spread and the
+    other areas.
+
+    Example:
+        >>> {k: round(v, 3) for k, v in init_loss(256, 128, 16, 8, 192, 1.0).items()}
+        {'loss_local': 0.494, 'loss_global': 0.384, 'loss': 0.439}
+    """
+    draws, pop = P - n_masked, P - 1
+
+    def moments(C):  # E[A], E[A^2] for an area with C of the other P - 1 positions
+        mean = draws * C / pop
+        var = draws * (C / pop) * (1 - C / pop) * (pop - draws) / max(pop - 1, 1)
+        return mean / P, (var + mean ** 2) / P ** 2
+
+    def per_patch(own_C, others):
+        m1, m2 = moments(own_C - 1)
+        return 0.5 * Ez2 * (1 - 2 * m1 + m2 + sum(moments(C)[1] for C in others))
+
+    local = per_patch(C_s, [C_1] + [C_s] * (n_local - 1))
+    glob = per_patch(C_1, [C_s] * n_local)
+    return {"loss_local": local, "loss_global": glob, "loss": (C_1 * glob + n_local * C_s * local) / P}
