@@ -272,6 +272,12 @@ class SyntheticDataModule(L.LightningDataModule):
             if n % world:  # unequal shares would make DDP's average differ from the full-batch mean
                 raise ConfigError(self.train_field, f"a multiple of the device count {world} in full-batch mode", n)
             return torch.arange(rank, n, world, device=device)
+        return self._minibatch_index(local, step, rank, world)
+
+    def _minibatch_index(self, local: torch.Tensor, step: int, rank: int, world: int) -> torch.Tensor:
+        """Fixed-mode minibatch ``step`` of rank ``rank``: epochs of the training split, reshuffled per epoch
+        (a function of seed and epoch) when ``shuffle``."""
+        n, device = self.sizes["train"], local.device
         epoch, position = divmod(step, self._steps_per_data_epoch(world))
         if self.shuffle and self.batch_size < n:
             order = rng.permutation(self.seed, 999, torch.tensor([epoch], device=device), n)[0]

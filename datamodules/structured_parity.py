@@ -206,16 +206,6 @@ class StructuredParityDataModule(SyntheticDataModule):
         # the minibatch schedule of the base class, counted from the first minibatch step
         return self._minibatch_index(local, step - self.full_batch_steps, rank, world)
 
-    def _minibatch_index(self, local: torch.Tensor, step: int, rank: int, world: int) -> torch.Tensor:
-        n, device = self.sizes["train"], local.device
-        epoch, position = divmod(step, self._steps_per_data_epoch(world))
-        if self.shuffle and self.batch_size < n:
-            order = rng.permutation(self.seed, 999, torch.tensor([epoch], device=device), n)[0]
-        else:
-            order = torch.arange(n, device=device)
-        start = (position * world + rank) * self.batch_size
-        return order[start:start + self.batch_size]
-
     # --- sampling -------------------------------------------------------------------------------
     def _tables(self, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         table = torch.tensor(self.constants["table"], dtype=torch.float64, device=device)
