@@ -6,18 +6,24 @@ per task, u = 10 spurious, label noise 0.25), for each seed and each ``T`` of th
 * ``universal``: ``configs/universality/universal.yaml`` (pretraining on the mixture of all T tasks);
 * ``specific``: ``specific.yaml`` (the target task only);
 * ``cr``: ``cr.yaml`` started from that universal run's ``last.ckpt`` (trust region gamma around it, no
-  Frobenius cap).
+  Frobenius cap, the exact projection onto both constraints);
+* ``cr_closed``: the same from the closed-form universal ``W*`` (``reference: null``): Prop F.9's setting.
 
-Tables (``universality_c.md`` / ``.json``, ``universality_m.md`` / ``.json``, ``universality_m_sweep.png``):
+Tables (``universality_c.md`` / ``.json``, ``universality_m.md`` / ``.json``, ``universality_m_sweep.png``,
+``universality_m_sweep_erm.png``):
 
 1. **c-table**: the per-group squared column norms ``c_S``, ``c_{P_target}``, ``c_{P_other}`` (mean over the
    other tasks), ``c_U`` against the closed forms (universal ``1, 1/T, 1/T, 0``; specific ``1, 1, 0, 0``; CR
-   ``min(1, sqrt(c_start) + gamma / sqrt(r - s))^2`` on the target, the rest kept), and the final contrastive
-   loss on fresh pairs against its closed form ``E l(c_S Z + c_P Z_t)`` at the predicted column norms;
-2. **m-sweep** at ``T = m_sweep.T``: test MSE of ridge (lambda by leave-one-out on the m labels, one grid for
-   every representation) on the target task and on another task, for the trained universal, specific and CR
-   representations and, as reference rows, the closed-form ones; with linear CKA between the trained
-   representations on target-task inputs.
+   ``min(1, sqrt(c_start) + gamma / sqrt(r - s))^2`` on the target, the rest kept), the final contrastive
+   loss on fresh pairs against its closed form ``E l(c_S Z + c_P Z_t)`` at the predicted column norms, and the
+   private overlap (:func:`~featlearn.theory.universality.private_overlap`): the trained universal ``W*`` is one
+   of many optima (the loss never sees two tasks' private features together), and where the target's private
+   directions overlap another task's, the spectral cap makes the target's gain that task's loss;
+2. **m-sweep** at ``T = m_sweep.T``: test MSE on the target task and on another task, for the trained
+   representations and, as reference rows, the closed-form ones, with two probes: ridge (lambda by leave-one-out
+   on the m labels, one grid for every representation) and the paper's norm-constrained ERM
+   (``||u|| <= B_{phi,t}``, :func:`~featlearn.theory.universality.predictor_bound` on the closed form of the
+   representation's mode); with linear CKA between the trained representations on target-task inputs.
 
 Settings in ``configs/universality/experiment.yaml``; ``--T``, ``--m``, ``--sweep-T``, ``--repeats``,
 ``--gamma``, ``--steps`` override them. With several ``--seed`` values every cell is ``mean (min-max)``.
@@ -40,10 +46,14 @@ from featlearn.experiments.common import (CONFIGS, build, experiment_parser, mar
 from featlearn.lightning_modules.universality import contrastive_loss
 from featlearn.metrics.figures import curves_figure
 from featlearn.theory.universality import (MODES, closed_form_representation, contrastive_loss_closed_form,
-                                           downstream_errors, linear_cka, predicted_column_norms)
+                                           downstream_errors, linear_cka, predicted_column_norms, predictor_bound,
+                                           private_overlap)
 
 SETTINGS = yaml.safe_load((CONFIGS / "universality" / "experiment.yaml").read_text())
-LABELS = {"universal": "universal", "specific": "specific (target task)", "cr": "contrastive regularisation"}
+LABELS = {"universal": "universal", "specific": "specific (target task)",
+          "cr": "contrastive regularisation (from the trained universal W*)",
+          "cr_closed": "contrastive regularisation (from the closed-form W*)"}
+RUNS = tuple(LABELS)
 GROUPS = ("S", "P_target", "P_other", "U")
 
 
@@ -52,11 +62,11 @@ def run_mode(mode: str, T: int, seed: int, out: Path, args, reference: str | Non
     column-norm prediction and the checkpoint path."""
     t0 = time.time()
     extra = ["--model.init_args.reference", reference] if reference else []
-    if mode == "cr":
+    if mode.startswith("cr"):
         extra += ["--model.init_args.gamma", repr(args.gamma)]
     if args.steps is not None:
-        extra += ["--trainer.max_steps", str(args.steps if mode != "cr" else max(1, args.steps // 3))]
-    cli = build(f"universality/{mode}.yaml", out, f"{mode}_T{T}_s{seed}", "--seed_everything", str(seed),
+        extra += ["--trainer.max_steps", str(args.steps if not mode.startswith("cr") else max(1, args.steps // 3))]
+    cli = build(f"universality/{mode.removesuffix('_closed')}.yaml", out, f"{mode}_T{T}_s{seed}", "--seed_everything", str(seed),
                 "--data.init_args.seed", str(seed), "--model.init_args.seed", str(seed), "--data.init_args.T", str(T),
                 "--data.init_args.num_val", str(max(args.m)), "--model.init_args.probe_repeats", str(args.repeats),
                 "--trainer.logger.init_args.name", f"{mode}_T{T}_s{seed}", *extra)
@@ -72,7 +82,8 @@ def run_mode(mode: str, T: int, seed: int, out: Path, args, reference: str | Non
         loss = float(contrastive_loss(model(batch["x"]), model(batch["x_pos"]), model.hp.loss))
     tasks = range(T) if mode == "universal" else [model.target]
     theory_loss = contrastive_loss_closed_form(p["S"], [p[f"P{t}"] for t in tasks], dm.s, dm.r, samples=100_000)
-    return {"c": split(c), "c_theory": split(p), "loss": loss, "loss_theory": theory_loss,
+    overlap = private_overlap(model.w.detach(), dm.M, dm.groups, model.target)
+    return {"c": split(c), "c_theory": split(p), "loss": loss, "loss_theory": theory_loss, "overlap": overlap,
             "model": model, "dm": dm, "ckpt": cli.trainer.checkpoint_callback.last_model_path,
             "wall_s": time.time() - t0}
 
@@ -88,16 +99,23 @@ def m_sweep(runs: dict, args) -> dict:
         norms = predicted_column_norms(mode, dm.T, dm.s, dm.r, gamma=args.gamma if mode == "cr" else None,
                                        target=dm.target_task)
         reps[f"{mode} (closed form)"] = closed_form_representation(dm.groups, dm.M, norms)
-    out = {"errors": {}, "cka": {}, "cr_start": start}
+    theory = {mode: predicted_column_norms(mode, dm.T, dm.s, dm.r, gamma=args.gamma if mode == "cr" else None,
+                                           target=dm.target_task) for mode in MODES}
+    theory.update({rep: r["model"].predicted() for rep, r in runs.items()})  # cr: from its own start
+    out = {"errors": {}, "errors_erm": {}, "cka": {}, "cr_start": start, "erm_bound": {}}
     n = args.repeats * max(args.m)
     for name, task in (("target", dm.target_task), ("other", model.other)):
         train, test = dm.labeled(task, torch.arange(n), "val"), dm.labeled(task, torch.arange(4000), "test")
         for rep, W in reps.items():
-            rows = downstream_errors(train["x"].double() @ W.t(), train["y"], test["x"].double() @ W.t(), test["y"],
-                                     args.m, args.repeats)
-            out["errors"].setdefault(rep, {})[name] = {m: row["mse"] for m, row in rows.items()}
+            f_train, f_test = train["x"].double() @ W.t(), test["x"].double() @ W.t()
+            c = theory[rep.removesuffix(" (closed form)")]
+            bound = predictor_bound(dm.label_vectors[task], dm.s, c["S"], c[f"P{task}"])
+            out["erm_bound"].setdefault(rep, {})[name] = bound
+            for key, probe_bound in (("errors", None), ("errors_erm", bound)):
+                rows = downstream_errors(f_train, train["y"], f_test, test["y"], args.m, args.repeats, bound=probe_bound)
+                out[key].setdefault(rep, {})[name] = {m: row["mse"] for m, row in rows.items()}
     x = dm.labeled(dm.target_task, torch.arange(4000), "test")["x"].double()
-    trained = [m for m in MODES if m in runs]
+    trained = [m for m in RUNS if m in runs]
     for i, a in enumerate(trained):
         for b in trained[i + 1:]:
             out["cka"][f"{a} vs {b}"] = linear_cka(x @ reps[a].t(), x @ reps[b].t())
@@ -108,7 +126,7 @@ def c_table(results: dict, Ts: list[int]) -> tuple[str, dict]:
     """Markdown rows: one per (T, mode), measured (mean over seeds) next to the closed form."""
     rows = {}
     for T in Ts:
-        for mode in MODES:
+        for mode in RUNS:
             per_seed = [results[seed][T][mode] for seed in results]
             cells = {}
             for g in GROUPS:
@@ -119,12 +137,14 @@ def c_table(results: dict, Ts: list[int]) -> tuple[str, dict]:
             cells["loss theory"] = f"{per_seed[0]['loss_theory']:.4f}"
             cells["max |c - theory|"] = mean_range([max(abs(r["c"][g] - r["c_theory"][g]) for g in GROUPS
                                                         if r["c_theory"][g] is not None) for r in per_seed])
+            cells["private overlap"] = mean_range([r["overlap"] for r in per_seed])
             rows[f"T = {T}, {LABELS[mode]}"] = cells
-    columns = [c for g in GROUPS for c in (f"c_{g}", f"c_{g} theory")] + ["loss", "loss theory", "max |c - theory|"]
+    columns = ([c for g in GROUPS for c in (f"c_{g}", f"c_{g} theory")]
+               + ["loss", "loss theory", "max |c - theory|", "private overlap"])
     return markdown_table(rows, columns), rows
 
 
-def m_table(sweeps: dict, ms: list[int]) -> str:
+def m_table(sweeps: dict, ms: list[int], key: str = "errors") -> str:
     """Markdown rows: representation x task, one column per m (mean over seeds).
 
     Example:
@@ -137,9 +157,9 @@ def m_table(sweeps: dict, ms: list[int]) -> str:
     """
     first = next(iter(sweeps.values()))
     rows = {}
-    for rep in first["errors"]:
+    for rep in first[key]:
         for task in ("target", "other"):
-            rows[f"{rep}, {task} task"] = {f"m = {m}": mean_range([s["errors"][rep][task][m] for s in sweeps.values()])
+            rows[f"{rep}, {task} task"] = {f"m = {m}": mean_range([s[key][rep][task][m] for s in sweeps.values()])
                                            for m in ms}
     return markdown_table(rows, [f"m = {m}" for m in ms])
 
@@ -188,6 +208,7 @@ def main(argv=None) -> dict:
         runs = {"universal": run_mode("universal", T, seed, args.out, args)}
         runs["specific"] = run_mode("specific", T, seed, args.out, args)
         runs["cr"] = run_mode("cr", T, seed, args.out, args, reference=runs["universal"]["ckpt"])
+        runs["cr_closed"] = run_mode("cr_closed", T, seed, args.out, args)
         if T == args.sweep_T:
             sweeps[seed] = m_sweep(runs, args)
         results.setdefault(seed, {})[T] = {mode: {k: v for k, v in r.items() if k not in ("model", "dm")}
@@ -196,26 +217,40 @@ def main(argv=None) -> dict:
     ctext, crows = c_table(results, args.T)
     seeds = " ".join(map(str, args.seed))
     notes = (f"s = 5, r = 10, u = 10 (configs/universality/data_tiny.yaml), label noise 0.25, projected SGD lr 0.5, "
-             f"batch 2048, seeds {seeds}{': mean (min-max)' if len(args.seed) > 1 else ''}; CR: gamma = {args.gamma:g} "
-             f"from the universal run, no Frobenius cap, its theory from the universal run's measured c_P_target. "
+             f"batch 2048, seeds {seeds}{': mean (min-max)' if len(args.seed) > 1 else ''}; CR: gamma = {args.gamma:g}, "
+             f"no Frobenius cap, exact projection onto the spectral ball and the trust region (Dykstra), started from "
+             f"the universal run (its theory from that run's measured c_P_target) or from the closed-form W*. Private "
+             f"overlap: cosine of the smallest principal angle between the target's private columns of W M and the "
+             f"other tasks' (0 in the closed form; the theory's 'other tasks keep their weight' assumes 0). "
              f"Loss: the multi-negative logistic loss on {SETTINGS['loss_samples']} fresh pairs (batch-mean negative), "
              f"theory: E log(1 + exp(-(c_S Z + c_P Z_t))) at the predicted c. Total wall time {wall:.0f} s.")
     write_results(args.out, "universality_c", {"results": results, "notes": notes},
                   f"# Seed 003 ch. 7: column norms c = ||(W M)_:,j||^2 per group, measured vs theory\n\n{ctext}\n\n{notes}")
-    mtext = m_table(sweeps, args.m)
+    mtext, etext = m_table(sweeps, args.m), m_table(sweeps, args.m, "errors_erm")
+    bounds = next(iter(sweeps.values()))["erm_bound"]
     cka = {pair: mean_range([s["cka"][pair] for s in sweeps.values()]) for pair in next(iter(sweeps.values()))["cka"]}
     cka_text = markdown_table({pair: {"linear CKA": v} for pair, v in cka.items()}, ["linear CKA"])
-    mnotes = (f"T = {args.sweep_T}; ridge without standardisation, lambda chosen by leave-one-out on the m labels "
-              f"from one grid (1e-4 .. 1e3) for every representation; test MSE on 4000 samples, averaged over "
-              f"{args.repeats} nested label sets; label noise variance 0.0625 (the floor). The other task is task 1. "
+    bound_text = ", ".join(f"{rep} {b['target']:.2f} / {b['other']:.2f}" for rep, b in bounds.items()
+                           if "closed form" not in rep)
+    mnotes = (f"T = {args.sweep_T}; test MSE on 4000 samples, averaged over {args.repeats} nested label sets; label "
+              f"noise variance 0.0625 (the floor). The other task is task 1. Ridge: no standardisation, lambda chosen "
+              f"by leave-one-out on the m labels from one grid (1e-4 .. 1e3) for every representation. Norm-constrained "
+              f"ERM (the paper's Eq. 7.2 with the squared loss): least squares with ||u|| <= B_phi,t, the norm of the "
+              f"least-norm best predictor on the closed form of the representation's mode (its theory column norms; "
+              f"features it does not encode take no norm), target / other task: {bound_text}. "
               f"Closed-form rows: W = [diag(sqrt c), 0] M^T at the predicted c. CKA: on target-task test inputs.")
-    figure = curves_figure(args.m, {f"{rep}, {task}": [[s["errors"][rep][task][m] for m in args.m] for s in sweeps.values()]
-                            for rep in ("universal", "specific", "cr") for task in ("target", "other")},
-                           xlabel="labels m", ylabel="test MSE", logx=True,
-                           title=f"ridge on the representation, T = {args.sweep_T} (one curve per seed)")
+    figures = {}
+    for key, probe in (("errors", "ridge"), ("errors_erm", "||u|| <= B ERM")):
+        figures["sweep" if key == "errors" else "sweep_erm"] = curves_figure(
+            args.m, {f"{rep}, {task}": [[s[key][rep][task][m] for m in args.m] for s in sweeps.values()]
+                     for rep in ("universal", "specific", "cr") for task in ("target", "other")},
+            xlabel="labels m", ylabel="test MSE", logx=True,
+            title=f"{probe}, T = {args.sweep_T} (one curve per seed)")
     write_results(args.out, "universality_m", {"sweeps": sweeps, "notes": mnotes},
-                  f"# Seed 003 ch. 7: downstream test MSE against m (target task and another task)\n\n{mtext}\n\n"
-                  f"{cka_text}\n\n{mnotes}", figures={"sweep": figure})
+                  f"# Seed 003 ch. 7: downstream test MSE against m (target task and another task)\n\n"
+                  f"## Ridge, lambda by leave-one-out\n\n{mtext}\n\n"
+                  f"## Norm-constrained ERM, ||u|| <= B_phi,t\n\n{etext}\n\n{cka_text}\n\n{mnotes}",
+                  figures=figures)
     return {"results": results, "sweeps": sweeps, "c_rows": crows, "wall_s": wall}
 
 

@@ -201,7 +201,29 @@ def _smoothed_clamp_bwd_triton(grad_h, x, w, slope, need, precision):
 
 def _smoothed_clamp_fwd_torch(x, w, bias, smoothing):
     z = torch.addmm(bias, x, w.t())
-    return gaussian_smoothed_clamp(z, smoothing), gaussian_smoothed_clamp_derivative(z, smoothing)
+    if smoothing == 0:
+        return z.clamp(0.0, 1.0), ((z > 0) & (z < 1)).to(z.dtype)
+    slope = torch.empty_like(z)
+    # ~14 elementwise passes: over row blocks of ~64k elements each block stays in cache between them
+    rows = max(1, (1 << 16) // max(1, z.shape[1]))
+    for start in range(0, z.shape[0], rows):
+        _smoothed_clamp_epilogue_(z[start:start + rows], slope[start:start + rows], smoothing)
+    return z, slope
+
+
+def _smoothed_clamp_epilogue_(z, slope, s):
+    """``z <- sigma_s(z)``, ``slope <- sigma_s'(z)`` in place. They share the two normal CDFs and densities:
+    ``h = z (c1 - c2) + c2 + s (phi1 - phi2)``, ``slope = c1 - c2`` (2 erf + 2 exp per element, not 4 + 2)."""
+    t1 = z.div(s)
+    t2 = t1 - 1.0 / s
+    c2 = t2.mul(_INV_SQRT2).erf_().add_(1.0).mul_(0.5)
+    torch.mul(t1, _INV_SQRT2, out=slope).erf_().add_(1.0).mul_(0.5).sub_(c2)
+    # exp of a subnormal result is ~10x slower on x86 (3% of the entries at s = 1/k^2): stop the exponent where
+    # the result is still normal; the densities it drops are below 1e-35 (float32) / 1e-304 (float64)
+    floor = -80.0 if z.dtype == torch.float32 else -700.0
+    dens = t1.square_().mul_(-0.5).clamp_min_(floor).exp_()
+    dens.sub_(t2.square_().mul_(-0.5).clamp_min_(floor).exp_()).mul_(s * _INV_SQRT2PI)
+    z.mul_(slope).add_(c2).add_(dens)
 
 
 def _smoothed_clamp_bwd_torch(grad_h, x, w, slope, need):

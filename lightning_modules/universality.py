@@ -18,10 +18,11 @@ Modes (``mode``): ``universal`` pretrains on every task, ``specific`` on the dat
 ``cr`` is contrastive regularisation (Prop F.9): start from a universal representation ``W*`` (``reference``:
 a universal run's checkpoint, or ``None`` for the closed-form optimum), train on the target task, and keep
 ``||W - W*||_F <= gamma`` and ``||W||_2 <= 1`` with **no Frobenius cap** (with the cap the target cannot gain
-without the other tasks losing; spec 2.8). The trust region is
-:class:`~featlearn.lightning_modules.contrastive_regularization.ContrastiveRegularization`; each step clips the
-singular values, then scales ``W - W*`` into the ball, which keeps both constraints (the ball's scaling is a
-convex combination of two points of the spectral ball).
+without the other tasks losing; spec 2.8). The trust region's reference is kept by
+:class:`~featlearn.lightning_modules.contrastive_regularization.ContrastiveRegularization`; each step projects
+exactly onto the intersection of the spectral ball and the trust region
+(:func:`~featlearn.theory.universality.project_trust_region`, Dykstra's algorithm: clipping and then scaling
+into the ball would give a feasible point, not the nearest one).
 
 Theory metrics (every ``trainer.log_every_n_steps`` steps): the per-group squared column norms
 ``c_j = ||(W M)_{:, j}||^2`` (``c/S``, ``c/P_target``, ``c/P_other``, ``c/U``) against the closed forms of
@@ -52,7 +53,7 @@ from featlearn.lightning_modules.contrastive_regularization import ContrastiveRe
 from featlearn.metrics.probes import all_gather_cat_with_grad
 from featlearn.theory.universality import (closed_form_representation, column_norms, contrastive_loss_closed_form,
                                            downstream_errors, group_means, predicted_column_norms,
-                                           project_spectral_frobenius)
+                                           project_spectral_frobenius, project_trust_region)
 from featlearn.validation import PositiveFloat, PositiveInt, check_args
 
 __all__ = ["LinearContrastive", "contrastive_loss"]
@@ -189,11 +190,12 @@ class LinearContrastive(FeatureLearningModule):
 
     def finish_step(self, step: int) -> None:
         """The projection, part of every step: onto ``{||W||_2 <= 1, ||W||_F <= sqrt(r)}``, or in ``cr`` mode onto
-        the spectral ball and then the trust region around ``W*``."""
-        cr = self.hp.mode == "cr"
-        self.w.copy_(project_spectral_frobenius(self.w, float(self.r), 1.0, frobenius=not cr or self.hp.cr_frobenius_cap))
-        if cr:
-            self.cr.project_({"w": self.w})
+        the spectral ball intersected with the trust region around ``W*`` (exactly, by Dykstra's algorithm)."""
+        if self.hp.mode == "cr":
+            self.w.copy_(project_trust_region(self.w, self.cr.reference()["w"], self.hp.gamma, 1.0,
+                                              radius2=float(self.r) if self.hp.cr_frobenius_cap else None))
+        else:
+            self.w.copy_(project_spectral_frobenius(self.w, float(self.r), 1.0))
         if self._trainer is not None and self.theory_due():
             self.log_dict(self.theory_metrics(), on_step=True, on_epoch=False)
 

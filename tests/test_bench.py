@@ -8,7 +8,7 @@ import torch
 
 from featlearn.bench import harness
 from featlearn.bench.cli import run
-from featlearn.bench.ops import patch_case
+from featlearn.bench.ops import OPS, patch_case
 from featlearn.cli import main
 
 
@@ -27,8 +27,7 @@ def test_op_smoke_checks_times_and_writes(tmp_path):
     wrong = patch_case("smoke", torch.device("cpu"))
     wrong.name = "patch_activation_sum (wrong teacher)"
     wrong.variants = [wrong.variants[0], harness.Variant("wrong", _wrong)]
-    status, results, files = run(["op", "--size", "smoke", "--op", "patch_activation_sum", "soft_threshold",
-                                  "bn_cosine_loss", "infonce_stopgrad", "masked_attention", "--repeats", "2",
+    status, results, files = run(["op", "--size", "smoke", "--op", *OPS, "--repeats", "2",
                                   "--warmup", "1", "--device", "cpu", "--out", str(tmp_path)], extra_cases=[wrong])
     assert status == 1  # the injected variant failed
     assert sorted(f.name for f in files) == ["op_smoke_cpu.csv", "op_smoke_cpu.md", "op_smoke_cpu.png"]
@@ -36,8 +35,7 @@ def test_op_smoke_checks_times_and_writes(tmp_path):
     bad = [r for r in results if r.variant == "wrong"]
     assert len(bad) == 1 and not bad[0].passed and bad[0].seconds == []  # refused and not timed
     good = [r for r in results if r.variant != "wrong"]
-    assert {r.case for r in good} == {"patch_activation_sum", "patch_activation_sum (wrong teacher)",
-                                      "soft_threshold", "bn_cosine_loss", "infonce_stopgrad", "masked_attention"}
+    assert {r.case for r in good} == {"patch_activation_sum (wrong teacher)", *OPS}
     assert all(r.passed and len(r.seconds) == 2 for r in good), [(r.case, r.variant, r.note) for r in good]
     rows = _rows(files[0])
     assert {r["variant"] for r in rows} >= {"eager", "compiled", "featlearn torch", "wrong"}

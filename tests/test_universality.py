@@ -13,9 +13,10 @@ from featlearn.experiments.common import build
 from featlearn.lightning_modules.contrastive_regularization import ContrastiveRegularization, trust_region_
 from featlearn.lightning_modules.universality import LinearContrastive, contrastive_loss
 from featlearn.theory.universality import (closed_form_representation, column_norms, contrastive_loss_closed_form,
-                                           downstream_errors, group_means, layout, linear_cka,
-                                           predicted_column_norms, project_bisection, project_spectral_frobenius,
-                                           ridge_fit, ridge_loo_errors)
+                                           downstream_errors, group_means, layout, linear_cka, norm_constrained_fit,
+                                           predicted_column_norms, private_overlap, project_bisection,
+                                           project_spectral_frobenius, project_trust_region, ridge_fit,
+                                           ridge_loo_errors)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,6 +53,72 @@ def test_projection_kkt(shape, scale, r2):
         assert float(((W - P) * (Q - P)).sum()) <= 1e-9
     # against an independent reference (the multiplier by bisection instead of the exact search)
     assert torch.allclose(P, project_bisection(W, r2), atol=1e-10)
+
+
+def _trust_region_by_multiplier(W, ref, gamma, onto_class):
+    """An independent reference: by Lagrange duality the projection is onto_class((W + mu W*) / (1 + mu)) with the
+    multiplier mu >= 0 of the ball (||P(mu) - W*|| decreases in mu), found by bisection."""
+    P = lambda mu: onto_class((W + mu * ref) / (1 + mu))  # noqa: E731
+    dist = lambda mu: float(torch.linalg.matrix_norm(P(mu) - ref))  # noqa: E731
+    if dist(0.0) <= gamma:
+        return P(0.0)
+    lo, hi = 0.0, 1.0
+    while dist(hi) > gamma:
+        hi *= 2
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if dist(mid) > gamma else (lo, mid)
+    return P(hi)
+
+
+@pytest.mark.parametrize("shape, gamma, cap", [((7, 11), 0.4, None), ((9, 6), 1.5, None), ((8, 8), 0.7, 3.0)])
+def test_trust_region_projection_is_exact(shape, gamma, cap):
+    """Dykstra's projection onto {||W||_2 <= 1 [, ||W||_F^2 <= cap]} n {||W - W*||_F <= gamma}: feasible, equal to
+    the multiplier form's projection (an independent computation), strictly nearer W than clipping-then-scaling
+    (alternating) where they differ, and the variational inequality <W - P, Q - P> <= 0 against feasible points Q
+    built independently (convex combinations of W* and class points, inside the ball)."""
+    g = torch.Generator().manual_seed(sum(shape))
+    rand = lambda scale: scale * torch.randn(*shape, generator=g, dtype=torch.float64)  # noqa: E731
+    onto_class = lambda a: project_spectral_frobenius(a, cap or 1.0, frobenius=cap is not None)  # noqa: E731
+    ref = onto_class(rand(0.6))
+    worst = 0.0
+    for _ in range(4):
+        W = ref + rand(1.0)
+        P = project_trust_region(W, ref, gamma, radius2=cap)
+        assert float(torch.linalg.matrix_norm(P, 2)) <= 1 + 1e-9
+        assert float(torch.linalg.matrix_norm(P - ref)) <= gamma * (1 + 1e-6)
+        assert cap is None or float((P ** 2).sum()) <= cap * (1 + 1e-9)
+        for _ in range(30):
+            C = onto_class(rand(2.0))
+            t = min(1.0, gamma / float(torch.linalg.matrix_norm(C - ref))) * float(torch.rand((), generator=g))
+            Q = ref + t * (C - ref)
+            worst = max(worst, float(((W - P) * (Q - P)).sum()))
+        assert torch.allclose(P, _trust_region_by_multiplier(W, ref, gamma, onto_class), atol=1e-6)
+        alternating = ref + (onto_class(W) - ref) * min(1.0, gamma / float(torch.linalg.matrix_norm(onto_class(W) - ref)))
+        assert float(torch.linalg.matrix_norm(W - P)) < float(torch.linalg.matrix_norm(W - alternating)) - 1e-3
+    assert worst <= 1e-6, worst
+    C = onto_class(rand(1.0))
+    inside = ref + 0.5 * gamma * (C - ref) / float(torch.linalg.matrix_norm(C - ref))  # in both sets: kept
+    assert torch.allclose(project_trust_region(inside, ref, gamma, radius2=cap), inside, atol=1e-8)
+
+
+def test_norm_constrained_fit_kkt():
+    """argmin_{||u|| <= B} ||F u - y||^2: inside the ball it is least squares (zero gradient); on the sphere the
+    gradient points inward along u (F^T (F u - y) = -mu u, mu >= 0), for wide and tall F."""
+    g = torch.Generator().manual_seed(5)
+    for m, k in ((12, 5), (6, 9)):
+        F = torch.randn(m, k, generator=g, dtype=torch.float64)
+        y = F @ torch.randn(k, generator=g, dtype=torch.float64) + 0.1 * torch.randn(m, generator=g, dtype=torch.float64)
+        free = norm_constrained_fit(F, y, 1e6)
+        assert torch.allclose(free, torch.linalg.lstsq(F, y[:, None], driver="gelsd").solution[:, 0], atol=1e-8)
+        for bound in (0.3, 0.5 * float(free.norm())):
+            u = norm_constrained_fit(F, y, bound)
+            assert abs(float(u.norm()) - bound) < 1e-8
+            grad = F.t() @ (F @ u - y)
+            mu = -float(grad @ u) / bound ** 2
+            assert mu >= 0 and torch.allclose(grad, -mu * u, atol=1e-7)
+    with pytest.raises(ConfigError, match="bound"):
+        norm_constrained_fit(F, y, 0.0)
 
 
 def test_projection_is_a_projection():
@@ -213,6 +280,32 @@ def test_cr_reaches_its_closed_form_and_the_cap_breaks_it():
     capped = _train(LinearContrastive(mode="cr", gamma=0.5, lr=0.5, probe_repeats=2, cr_frobenius_cap=True).attach(dm),
                     dm, 150).column_norms()
     assert capped["P0"] < theory - 0.05 and max(capped[f"P{t}"] for t in (1, 2, 3)) < 0.24, capped
+
+
+def test_cr_from_an_overlapping_universal_optimum_takes_from_the_other_task():
+    """The universal loss never sees two tasks' private features together, so a W* whose private directions are
+    shared is optimal too (same column norms, private overlap 1). From such a W* the spectral cap makes the
+    target's gain the other task's loss: the theory's "the rest is kept" needs overlap 0 (T = 2, s = 3, r = 6)."""
+    dm = HiddenRepresentationDataModule(T=2, s=3, r=6, u=2, batch_size=1024, num_val=8, num_test=200)
+    g = dm.groups
+    closed = closed_form_representation(g, dm.M, predicted_column_norms("universal", 2, 3, 6))
+    A = closed @ dm.M                                   # rows = representation units; P1 reuses P0's units
+    p0, p1 = g["P"][0], g["P"][1]
+    A[p0[:, None], p1[None, :]] = A[p1[:, None], p1[None, :]]
+    A[p1[:, None], p1[None, :]] = 0
+    shared = A @ dm.M.t()
+    assert float(torch.linalg.matrix_norm(shared, 2)) <= 1 + 1e-9
+    assert group_means(column_norms(shared, dm.M), g) == pytest.approx(group_means(column_norms(closed, dm.M), g))
+    assert private_overlap(shared, dm.M, g) == pytest.approx(1.0) and private_overlap(closed, dm.M, g) < 1e-9
+    ends = {}
+    for name, w_star in (("closed", closed), ("shared", shared)):
+        model = LinearContrastive(mode="cr", gamma=1.0, lr=0.5, probe_repeats=2).attach(dm)
+        with torch.no_grad():
+            model.w.copy_(w_star)
+        model.cr.anchor({"w": model.w})
+        ends[name] = _train(model, dm, 150).column_norms()
+    assert ends["closed"]["P0"] > 0.95 and abs(ends["closed"]["P1"] - 0.5) < 0.01, ends
+    assert ends["shared"]["P1"] < 0.4, ends
 
 
 def test_specific_mode_trains_on_the_target_only():

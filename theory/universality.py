@@ -10,7 +10,9 @@ reads a DataModule or a LightningModule.
 * :func:`layout`: the coordinates of each feature group.
 * :func:`project_spectral_frobenius`: the exact Euclidean projection onto the representation class (one SVD,
   the Frobenius multiplier found on the singular values only); :func:`project_bisection`: the same projection with
-  the multiplier found by bisection (the spec's pseudo-code), the tests' reference.
+  the multiplier found by bisection (the spec's pseudo-code), the tests' reference;
+  :func:`project_trust_region`: the exact projection onto that class intersected with the trust region
+  ``||W - W*||_F <= gamma`` of contrastive regularisation (Dykstra's algorithm).
 * :func:`column_norms`, :func:`group_means`: ``c_j = ||(W M)_{:, j}||^2`` and their means per group.
 * :func:`predicted_column_norms`: the closed forms of Props 7.3 / 7.4 / F.9 (universal ``1, 1/T, 0``; specific
   ``1, 1`` on its task and ``0`` elsewhere; contrastive regularisation
@@ -40,9 +42,10 @@ import torch
 
 from featlearn.errors import ConfigError
 
-__all__ = ["layout", "project_spectral_frobenius", "project_bisection", "column_norms", "group_means",
-           "predicted_column_norms", "closed_form_representation", "contrastive_loss_closed_form", "linear_cka",
-           "ridge_fit", "ridge_loo_errors", "downstream_errors", "LAMBDA_GRID", "MODES"]
+__all__ = ["layout", "project_spectral_frobenius", "project_bisection", "project_trust_region", "column_norms",
+           "group_means", "predicted_column_norms", "closed_form_representation", "contrastive_loss_closed_form", "linear_cka",
+           "ridge_fit", "ridge_loo_errors", "norm_constrained_fit", "predictor_bound", "downstream_errors", "private_overlap",
+           "LAMBDA_GRID", "MODES"]
 
 MODES = ("universal", "specific", "cr")
 """Pretraining modes: all tasks, the target task only, contrastive regularisation of the universal
@@ -138,6 +141,52 @@ def project_bisection(W: torch.Tensor, radius2: float, spec: float = 1.0, iters:
     return ((U * shrink(tau)) @ Vh).to(W.dtype)
 
 
+def project_trust_region(W: torch.Tensor, reference: torch.Tensor, gamma: float, spec: float = 1.0,
+                         radius2: float | None = None, tol: float = 1e-10, max_iter: int = 500) -> torch.Tensor:
+    """The Euclidean projection of ``W`` onto ``{||W||_2 <= spec [, ||W||_F^2 <= radius2]} n {||W - reference||_F
+    <= gamma}``: the feasible set of contrastive regularisation (Prop F.9), by Dykstra's algorithm.
+
+    Projecting onto one set and then the other (alternating) gives a feasible point but not the nearest one, so
+    projected gradient descent with it can stop short of the constrained optimum. Dykstra's correction terms make
+    the iterates converge to the exact projection; each iteration costs one SVD (the class's own exact projection,
+    :func:`project_spectral_frobenius`) and one ball scaling. ``reference`` must lie in the class (it does: it is
+    a trained or closed-form universal ``W*``), so the intersection is never empty. Stops when an iteration moves
+    the point by less than ``tol`` (relative, Frobenius); float64 inside, returned in ``W``'s dtype.
+
+    Example:
+        >>> ref = torch.zeros(2, 2, dtype=torch.float64)
+        >>> P = project_trust_region(torch.diag(torch.tensor([3.0, 0.0])), ref, gamma=0.5)
+        >>> [round(v, 6) for v in torch.diag(P).tolist()]                  # the ball binds, not the spectral cap
+        [0.5, 0.0]
+    """
+    if not gamma > 0:
+        raise ConfigError("gamma", "> 0", gamma)
+    ref = reference.double()
+    frob = radius2 is not None
+
+    def onto_class(a):
+        return project_spectral_frobenius(a, radius2 if frob else 1.0, spec, frobenius=frob)
+
+    def onto_ball(a):
+        dist = float(torch.linalg.matrix_norm(a - ref))
+        return a if dist <= gamma else ref + (a - ref) * (gamma / dist)
+
+    x = W.double()
+    p = torch.zeros_like(x)
+    q = torch.zeros_like(x)
+    for _ in range(max_iter):
+        y = onto_class(x + p)
+        p = x + p - y
+        x_new = onto_ball(y + q)
+        q = y + q - x_new
+        moved = float(torch.linalg.matrix_norm(x_new - x))
+        x = x_new
+        if moved <= tol * max(1.0, float(torch.linalg.matrix_norm(x))):
+            break
+    # the last step is the ball's: finish on the class so the spectral bound holds to rounding, not to tol
+    return onto_class(x).to(W.dtype)
+
+
 # ------------------------------------------------------------------------------------------------
 # column norms and their closed forms
 # ------------------------------------------------------------------------------------------------
@@ -213,6 +262,35 @@ def closed_form_representation(groups: dict, M: torch.Tensor, norms: dict[str, f
     for t, idx in enumerate(groups["P"]):
         a[idx] = math.sqrt(norms[f"P{t}"])
     return torch.diag(a) @ M.double()[:, :k].t()
+
+
+def private_overlap(W: torch.Tensor, M: torch.Tensor, groups: dict, target: int = 0) -> float:
+    """How much the target task's private features share representation directions with the other tasks':
+    the cosine of the smallest principal angle between the spans of ``(W M)_{:, P_target}`` and
+    ``(W M)_{:, P_t}``, ``t != target`` (0: orthogonal, as in the closed form ``W*``; 1: a shared direction).
+
+    The universal loss never sees two tasks' private features in one sample, so it leaves their relative
+    orientation free; with ``||W||_2 <= 1``, a target column that grows along a shared direction must take
+    weight from the other task (contrastive regularisation's "the rest is kept" assumes 0 here). Columns below
+    1e-6 of the largest do not span anything.
+
+    Example:
+        >>> g = layout(T=2, s=1, r=2, u=0)
+        >>> W = torch.tensor([[1.0, 0.0, 0.0], [0.0, 0.6, 0.6], [0.0, 0.0, 0.0]])
+        >>> round(private_overlap(W, torch.eye(3), g), 6), private_overlap(torch.eye(3), torch.eye(3), g)
+        (1.0, 0.0)
+    """
+    A = W.double() @ M.double()
+
+    def basis(cols):
+        u, sig, _ = torch.linalg.svd(A[:, cols], full_matrices=False)
+        return u[:, sig > max(float(sig.max()), 1e-300) * 1e-6] if sig.numel() and float(sig.max()) > 0 else u[:, :0]
+
+    others = torch.cat([idx for t, idx in enumerate(groups["P"]) if t != target])
+    q_t, q_o = basis(groups["P"][target]), basis(others)
+    if q_t.shape[1] == 0 or q_o.shape[1] == 0:
+        return 0.0
+    return float(torch.linalg.matrix_norm(q_t.t() @ q_o, 2))
 
 
 def contrastive_loss_closed_form(c_S: float, c_P: Sequence[float], s: int, r: int, weights: Sequence[float] | None = None,
@@ -306,14 +384,61 @@ def ridge_loo_errors(F: torch.Tensor, y: torch.Tensor, lambdas: Sequence[float] 
     return torch.tensor(out, dtype=torch.float64)
 
 
+def predictor_bound(label_vector: torch.Tensor, s: int, c_S: float, c_P: float) -> float:
+    """``B_{phi,t}`` of the paper's predictor class ``{||u|| <= B}``: the norm of the least-norm predictor that is
+    best for task ``t`` on a representation with column norms ``c_S`` on ``S`` and ``c_P`` on ``P_t``
+    (``u_j = u*_j / sqrt(c_j)`` on the encoded features; a group with ``c = 0`` is not encoded and takes no norm).
+    ``label_vector`` is ``u_t*`` on ``(S, P_t)`` (``[r]``).
+
+    Example:
+        >>> u = torch.full((4,), 0.5, dtype=torch.float64)                  # v1 = v2 = 1/2, s = 2
+        >>> round(predictor_bound(u, 2, 1.0, 0.125), 4), predictor_bound(u, 2, 1.0, 1.0), round(predictor_bound(u, 2, 1.0, 0.0), 4)
+        (2.1213, 1.0, 0.7071)
+    """
+    u = label_vector.double()
+    total = float((u[:s] ** 2).sum()) / c_S if c_S > 0 else 0.0
+    total += float((u[s:] ** 2).sum()) / c_P if c_P > 0 else 0.0
+    return math.sqrt(total)
+
+
+def norm_constrained_fit(F: torch.Tensor, y: torch.Tensor, bound: float) -> torch.Tensor:
+    """``argmin_{||u|| <= bound} ||F u - y||^2`` (the paper's downstream ERM, Eq. 7.2 with the squared loss), float64.
+
+    The least-norm least-squares solution if it is inside the ball; otherwise the ridge solution whose norm is
+    exactly ``bound`` (``||u(lambda)||`` decreases in ``lambda``: bisection on the singular values of one SVD).
+
+    Example:
+        >>> F = torch.eye(2, dtype=torch.float64); y = torch.tensor([3.0, 4.0], dtype=torch.float64)
+        >>> norm_constrained_fit(F, y, 10.0).tolist(), norm_constrained_fit(F, y, 1.0).tolist()
+        ([3.0, 4.0], [0.6, 0.8])
+    """
+    if not bound > 0:
+        raise ConfigError("bound", "> 0", bound)
+    F, y = F.double(), y.double()
+    U, sig, Vh = torch.linalg.svd(F, full_matrices=False)
+    keep = sig > sig.max() * 1e-12 if sig.numel() else sig > 0
+    U, sig, Vh = U[:, keep], sig[keep], Vh[keep]
+    proj = U.t() @ y
+    norm = lambda lam: float(torch.linalg.vector_norm(sig * proj / (sig ** 2 + lam)))  # noqa: E731
+    lam = 0.0
+    if norm(0.0) > bound:
+        lo, hi = 0.0, float(torch.linalg.vector_norm(sig * proj)) / bound  # at hi: ||u|| <= ||S p|| / hi = bound
+        for _ in range(200):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if norm(mid) > bound else (lo, mid)
+        lam = hi
+    return Vh.t() @ (sig * proj / (sig ** 2 + lam))
+
+
 def downstream_errors(F_train: torch.Tensor, y_train: torch.Tensor, F_test: torch.Tensor, y_test: torch.Tensor,
                       ms: Sequence[int], repeats: int, lambdas: Sequence[float] = LAMBDA_GRID,
-                      sign: bool = False) -> dict[int, dict[str, float]]:
-    """Test error of ridge on the representation against the number of labels ``m``.
+                      sign: bool = False, bound: float | None = None) -> dict[int, dict[str, float]]:
+    """Test error of ridge (or, with ``bound``, of :func:`norm_constrained_fit`) on the representation against
+    the number of labels ``m``.
 
     ``F_train [repeats * max(ms), k]`` holds ``repeats`` disjoint labelled sets of ``max(ms)`` samples; for
     each ``m`` the first ``m`` of each set are used (nested label sets), ``lambda`` is chosen on them by
-    leave-one-out from ``lambdas``, and the test MSE on ``(F_test, y_test)`` is averaged over the sets. With
+    leave-one-out from ``lambdas`` (no ``lambda`` with ``bound``: the ball is the only regulariser), and the test MSE on ``(F_test, y_test)`` is averaged over the sets. With
     ``sign`` labels the accuracy of ``sign(prediction)`` is reported too.
 
     Returns ``{m: {"mse": ..., "mse_min": ..., "mse_max": ..., "lambda_median": ..., ["acc": ...]}}``.
@@ -333,8 +458,12 @@ def downstream_errors(F_train: torch.Tensor, y_train: torch.Tensor, F_test: torc
         mses, accs, lams = [], [], []
         for j in range(repeats):
             F, y = F_train[j * n: j * n + m].double(), y_train[j * n: j * n + m].double()
-            lam = lambdas[int(torch.argmin(ridge_loo_errors(F, y, lambdas)))] if m > 1 else lambdas[-1]
-            pred = F_test @ ridge_fit(F, y, lam)
+            if bound is None:
+                lam = lambdas[int(torch.argmin(ridge_loo_errors(F, y, lambdas)))] if m > 1 else lambdas[-1]
+                pred = F_test @ ridge_fit(F, y, lam)
+            else:
+                lam = float("nan")
+                pred = F_test @ norm_constrained_fit(F, y, bound)
             mses.append(float(((pred - y_test) ** 2).mean()))
             accs.append(float((torch.sign(pred) == torch.sign(y_test)).double().mean()))
             lams.append(lam)

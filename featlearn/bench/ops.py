@@ -18,6 +18,7 @@ from featlearn.kernels import (Activation, smoothed_relu, bn_cosine_loss, bn_cos
                                infonce_stopgrad, patch_activation_sum, patch_activation_sum_reference,
                                soft_threshold_layer, soft_threshold_reference)
 from featlearn.kernels.masked_attention import masked_attention
+from featlearn.kernels.smoothed_clamp import smoothed_clamp_layer, smoothed_clamp_reference
 
 SIZES = ("smoke", "tiny", "medium")
 
@@ -37,7 +38,12 @@ INFONCE = {"smoke": dict(K=16, N=24, m=8), "tiny": dict(K=256, N=256, m=128), "m
 # gathered by index, gamma = 0.75), d = dv; medium ends at the spec's worked example
 ATTN = {"smoke": [dict(B=2, P=24, Pq=18, d=40)], "tiny": [dict(B=8, P=256, Pq=192, d=320)],
         "medium": [dict(B=64, P=256, Pq=192, d=320), dict(B=64, P=1024, Pq=768, d=1152)]}
-OPS = ("patch_activation_sum", "soft_threshold", "bn_cosine_loss", "infonce_stopgrad", "masked_attention")
+# smoothed_clamp_layer (spec 003a 1.2-1.3): B samples, d inputs, M = 2m neurons, smoothing s = 1/k^2 (steps 1-2);
+# tiny = a minibatch step of Table A.1, medium = a full-batch step (n = 50,000) at Table A.3's d = 2000
+CLAMP = {"smoke": dict(B=16, d=24, M=10), "tiny": dict(B=1000, d=500, M=600), "medium": dict(B=50000, d=2000, M=600)}
+CLAMP_S = 0.04
+OPS = ("patch_activation_sum", "soft_threshold", "bn_cosine_loss", "infonce_stopgrad", "masked_attention",
+       "smoothed_clamp")
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -263,10 +269,40 @@ def attn_cases(size: str, device: torch.device) -> list[Case]:
     return cases
 
 
+# ------------------------------------------------------------------------------------------------
+def _clamp_eager_forward(x, w, b):
+    return smoothed_clamp_reference(x, w, b, CLAMP_S)
+
+
+def clamp_eager(inp, forward=_clamp_eager_forward):
+    h = forward(inp["x"], inp["w"], inp["b"])
+    return h.detach(), *_grads((h * inp["g"]).sum(), [inp["w"], inp["b"]])
+
+
+def clamp_featlearn(inp, backend):
+    h = smoothed_clamp_layer(inp["x"], inp["w"], inp["b"], CLAMP_S, backend=backend, input_precision="ieee")
+    return h.detach(), *_grads((h * inp["g"]).sum(), [inp["w"], inp["b"]])
+
+
+def clamp_case(size: str, device: torch.device) -> Case:
+    B, d, M = (CLAMP[size][k] for k in ("B", "d", "M"))
+
+    def inputs(dtype, dev, seed):
+        g = _gen(seed)  # unit-variance inputs and w ~ N(0, 1/d): pre-activations O(1), across the ramp [0, 1]
+        return {"x": _randn(g, B, d, dtype=dtype, device=dev),
+                "w": _randn(g, M, d, dtype=dtype, device=dev, scale=d ** -0.5).requires_grad_(True),
+                "b": _randn(g, M, dtype=dtype, device=dev, scale=0.5).requires_grad_(True),
+                "g": _randn(g, B, M, dtype=dtype, device=dev)}
+
+    return Case("smoothed_clamp", f"B={B} d={d} M={M} s={CLAMP_S}",
+                _variants(clamp_eager, _clamp_eager_forward, clamp_featlearn, device), inputs, clamp_eager)
+
+
 def cases(ops: list[str], size: str, device: torch.device) -> list[Case]:
     build = {"patch_activation_sum": lambda: [patch_case(size, device)],
              "soft_threshold": lambda: [soft_case(size, device)],
              "bn_cosine_loss": lambda: bn_cases(size, device),
              "infonce_stopgrad": lambda: [infonce_case(size, device)],
-             "masked_attention": lambda: attn_cases(size, device)}
+             "masked_attention": lambda: attn_cases(size, device),
+             "smoothed_clamp": lambda: [clamp_case(size, device)]}
     return [case for op in ops for case in build[op]()]
