@@ -357,24 +357,35 @@ def _panel_grid(n_rows: int, n_cols: int, width: float = 3.6, height: float = 3.
     return fig, axes
 
 
+def _method_point_panels(rows: list[dict], width: float = 3.6, height: float = 3.0):
+    """A grid with a row per method (MAE above CL) and a column per data point; returns the figure, the axes
+    and an iterator of ``(ax, method, row)`` over the cells that have a result (the others are blanked)."""
+    points = list(dict.fromkeys(r["point"] for r in rows))
+    methods = [m for m in METHODS if any(r["method"] == m for r in rows)]
+    fig, axes = _panel_grid(len(methods), len(points), width, height)
+
+    def cells():
+        for i, method in enumerate(methods):
+            for j, point in enumerate(points):
+                row = next((r for r in rows if r["method"] == method and r["point"] == point), None)
+                if row is None:
+                    axes[i][j].axis("off")
+                else:
+                    yield axes[i][j], method, row
+
+    return fig, axes, cells()
+
+
 def areas_figure(rows: list[dict], ends: dict) -> plt.Figure:
     """Mean area attention (query area x key area, last column the masked keys) at the end of training, first
     seed, MAE above CL, one column per data point; one colour scale [0, 1]."""
-    points = list(dict.fromkeys(r["point"] for r in rows))
-    methods = [m for m in METHODS if any(r["method"] == m for r in rows)]
-    fig, axes = _panel_grid(len(methods), len(points))
+    fig, axes, cells = _method_point_panels(rows)
     image = None
-    for i, method in enumerate(methods):
-        for j, point in enumerate(points):
-            ax = axes[i][j]
-            row = next((r for r in rows if r["method"] == method and r["point"] == point), None)
-            if row is None:
-                ax.axis("off")
-                continue
-            matrix = ends[method, point, row["seeds"][0]]["area_matrix"].double().numpy()
-            image = ax.imshow(matrix, vmin=0.0, vmax=1.0, cmap="viridis", aspect="auto", interpolation="nearest")
-            ax.set(xlabel="key area (0 = global; last: masked keys)", ylabel="query area (0 = global)",
-                   title=f"{LABELS[method]}, Delta {row['delta_eff']:+.2f}, step {row['steps']}")
+    for ax, method, row in cells:
+        matrix = ends[method, row["point"], row["seeds"][0]]["area_matrix"].double().numpy()
+        image = ax.imshow(matrix, vmin=0.0, vmax=1.0, cmap="viridis", aspect="auto", interpolation="nearest")
+        ax.set(xlabel="key area (0 = global; last: masked keys)", ylabel="query area (0 = global)",
+               title=f"{LABELS[method]}, Delta {row['delta_eff']:+.2f}, step {row['steps']}")
     if image is not None:
         fig.colorbar(image, ax=axes, label="mean attention (seed %d)" % rows[0]["seeds"][0])
     return fig
@@ -384,30 +395,22 @@ def queries_figure(rows: list[dict], ends: dict) -> plt.Figure:
     """One local query's attention over the 16 x 16 grid at the end of training (first seed; MAE above CL);
     star: the query, white squares: its own area, red dots: the global area. A fixed scale per method (its
     ``sample_vmax``), a colour bar per panel."""
-    points = list(dict.fromkeys(r["point"] for r in rows))
-    methods = [m for m in METHODS if any(r["method"] == m for r in rows)]
-    fig, axes = _panel_grid(len(methods), len(points), 3.8, 3.4)
-    for i, method in enumerate(methods):
-        for j, point in enumerate(points):
-            ax = axes[i][j]
-            row = next((r for r in rows if r["method"] == method and r["point"] == point), None)
-            if row is None:
-                ax.axis("off")
-                continue
-            end = ends[method, point, row["seeds"][0]]
-            P = end["area"].numel()
-            side = math.isqrt(P)
-            attn = end["query_attention"].double().reshape(side, side).numpy()
-            image = ax.imshow(attn, vmin=0.0, vmax=end["vmax"], cmap="viridis", interpolation="nearest")
-            own, glob = torch.nonzero(end["area"] == end["query_area"]).squeeze(1), torch.nonzero(end["area"] == 0).squeeze(1)
-            r_own, c_own, r_glob, c_glob = own // side, own % side, glob // side, glob % side
-            ax.scatter(c_glob, r_glob, marker=".", s=6, color="red")
-            ax.scatter(c_own, r_own, marker="s", s=40, facecolors="none", edgecolors="white", linewidths=0.9)
-            q = end["query"]
-            ax.scatter([q % side], [q // side], marker="*", s=70, color="orange")
-            ax.set(xlabel="grid column", ylabel="grid row",
-                   title=f"{LABELS[method]}, Delta {row['delta_eff']:+.2f}\nlocal query {q} (area {end['query_area']})")
-            fig.colorbar(image, ax=ax, shrink=0.85, label="attention")
+    fig, _, cells = _method_point_panels(rows, 3.8, 3.4)
+    for ax, method, row in cells:
+        end = ends[method, row["point"], row["seeds"][0]]
+        P = end["area"].numel()
+        side = math.isqrt(P)
+        attn = end["query_attention"].double().reshape(side, side).numpy()
+        image = ax.imshow(attn, vmin=0.0, vmax=end["vmax"], cmap="viridis", interpolation="nearest")
+        own, glob = torch.nonzero(end["area"] == end["query_area"]).squeeze(1), torch.nonzero(end["area"] == 0).squeeze(1)
+        r_own, c_own, r_glob, c_glob = own // side, own % side, glob // side, glob % side
+        ax.scatter(c_glob, r_glob, marker=".", s=6, color="red")
+        ax.scatter(c_own, r_own, marker="s", s=40, facecolors="none", edgecolors="white", linewidths=0.9)
+        q = end["query"]
+        ax.scatter([q % side], [q // side], marker="*", s=70, color="orange")
+        ax.set(xlabel="grid column", ylabel="grid row",
+               title=f"{LABELS[method]}, Delta {row['delta_eff']:+.2f}\nlocal query {q} (area {end['query_area']})")
+        fig.colorbar(image, ax=ax, shrink=0.85, label="attention")
     return fig
 
 
