@@ -216,12 +216,14 @@ class ContrastiveModule(FeatureLearningModule):
         self._prev_norm = self.w.detach().norm(dim=1)
         loss, st = self.contrastive_loss(batch)
         if self._trainer is not None and self.theory_due():  # each self.log costs ~0.5 ms: only written steps
-            self.log("loss/contrastive", loss, prog_bar=True)
-            self.log("loss/normalized", loss / st["uniform"], prog_bar=True)
-            self.log("loss/objective", loss.detach() + 0.5 * self.lam * (self.w.detach() ** 2).sum())
+            # batch means over this rank's anchors: sync_dist averages them into the global batch's (equal B)
+            self.log("loss/contrastive", loss, prog_bar=True, sync_dist=True)
+            self.log("loss/normalized", loss / st["uniform"], prog_bar=True, sync_dist=True)
+            self.log("loss/objective", loss.detach() + 0.5 * self.lam * (self.w.detach() ** 2).sum(), sync_dist=True)
             self.log_dict({"logits/p_pos_mean": st["p_pos"], "logits/uniform_dev": st["uniform_dev"],
                            "act/fire_rate_anchor": st["fire_anchor"], "act/fire_rate_pos": st["fire_pos"],
-                           "act/fire_rate_neg": st["fire_neg"], "act/active_per_sample": st["active_per_sample"]})
+                           "act/fire_rate_neg": st["fire_neg"], "act/active_per_sample": st["active_per_sample"]},
+                          sync_dist=True)
         return loss
 
     # ------------------------------------------------------------------------------------------

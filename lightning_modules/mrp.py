@@ -71,7 +71,7 @@ class _MaskedPretraining(MultiViewEncoder):
     def training_step(self, batch, batch_idx):
         loss = self.loss(batch)
         if self.theory_due():  # each self.log costs ~0.5 ms; Lightning writes only these steps anyway
-            self.log(f"pretrain/loss_{self.loss_kind}", loss, prog_bar=True)
+            self.log(f"pretrain/loss_{self.loss_kind}", loss, prog_bar=True, sync_dist=True)  # the global batch's
         return loss
 
     def finish_step(self, step: int) -> None:

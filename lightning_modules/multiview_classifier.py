@@ -109,8 +109,8 @@ class MultiViewClassifier(MultiViewEncoder):
         logits = self(batch["x"])
         loss = F.cross_entropy(logits, batch["y"])
         if self.theory_due():  # each self.log costs ~0.5 ms; Lightning writes only these steps anyway
-            self.log("train/loss", loss, prog_bar=True)
-            self.log("train/acc", (logits.argmax(1) == batch["y"]).float().mean())
+            self.log("train/loss", loss, prog_bar=True, sync_dist=True)  # rank means -> the global batch's
+            self.log("train/acc", (logits.argmax(1) == batch["y"]).float().mean(), sync_dist=True)
         return loss
 
     def finish_step(self, step: int) -> None:

@@ -176,9 +176,11 @@ def test_two_processes_match_one_slow(tmp_path, name):
     _check(tmp_path, name)
 
 
-def _fit_logged(tmp_path: Path, config: str, overrides: list, devices: int, batch_size: int) -> dict[str, float]:
+def _fit_logged(tmp_path: Path, config: str, overrides: list, devices: int, batch_size: int | None,
+                prefix: str = "hp/") -> dict[str, float]:
     """One CLI run with the TensorBoard logger on and every step logged (theory metrics, figures, the
-    end-of-training figures and ``hp/`` results); returns its ``hp/`` scalars. A deadlock fails by timeout."""
+    end-of-training figures and ``hp/`` results); returns the last value of its scalars whose tag starts with
+    ``prefix``. A deadlock fails by timeout."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     out = tmp_path / f"logged_{devices}x{batch_size}"
@@ -189,7 +191,7 @@ def _fit_logged(tmp_path: Path, config: str, overrides: list, devices: int, batc
     cmd = [str(CLI), "fit", "--config", str(ROOT / "configs" / config), *common, *overrides,
            "--trainer.log_every_n_steps", "1", "--trainer.logger.init_args.save_dir", str(out),
            "--trainer.devices", str(devices), "--trainer.default_root_dir", str(out),
-           "--checkpoint.dirpath", str(out / "ckpt"), "--data.batch_size", str(batch_size)]
+           "--checkpoint.dirpath", str(out / "ckpt"), "--data.batch_size", str(batch_size or "null")]
     env = {**os.environ, "MASTER_PORT": str(_free_port()), "MASTER_ADDR": "127.0.0.1", "OMP_NUM_THREADS": "1",
            "PYTHONWARNINGS": "ignore"}
     for key in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "GLOBAL_RANK", "RANK", "LOCAL_WORLD_SIZE"):
@@ -206,7 +208,7 @@ def _fit_logged(tmp_path: Path, config: str, overrides: list, devices: int, batc
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{stdout[-3000:]}\n{stderr[-3000:]}"
     events = EventAccumulator(str(next(out.rglob("hparams.yaml")).parent), size_guidance={"scalars": 0})
     events.Reload()
-    return {tag: events.Scalars(tag)[-1].value for tag in events.Tags()["scalars"] if tag.startswith("hp/")}
+    return {tag: events.Scalars(tag)[-1].value for tag in events.Tags()["scalars"] if tag.startswith(prefix)}
 
 
 @pytest.mark.parametrize("name", ["vit_cl", "vit_mae"])
@@ -220,3 +222,18 @@ def test_vit_logged_run_ends_on_two_processes_with_the_one_process_results(tmp_p
     assert "hp/final_loss" in double and double.keys() == single.keys()
     for tag, value in single.items():
         assert double[tag] == pytest.approx(value, rel=1e-4, abs=1e-6), tag
+
+
+@pytest.mark.parametrize("name, prefix", [("contrastive", ""), ("mrp_teacher_student", "pretrain/")])
+def test_logged_batch_metrics_are_the_global_batchs(tmp_path, name, prefix):
+    """Batch-mean training metrics (losses, firing rates, positive-pair probabilities) logged on two processes
+    are those of the global batch, as one process with the doubled batch logs them: each rank's mean over its
+    own half is averaged over the ranks (``sync_dist``), not rank 0's half alone."""
+    config, overrides, batch = CASES[name][:3]
+    double = _fit_logged(tmp_path, config, overrides, devices=2, batch_size=batch, prefix=prefix)
+    single = _fit_logged(tmp_path, config, overrides, devices=1, batch_size=2 * batch if batch else None,
+                         prefix=prefix)
+    batch_tags = [t for t in single if t.startswith(("loss/", "act/", "logits/", "pretrain/loss"))]
+    assert len(batch_tags) >= 3 if name == "contrastive" else batch_tags, sorted(single)
+    for tag in batch_tags:
+        assert double[tag] == pytest.approx(single[tag], rel=1e-4, abs=1e-6), tag
