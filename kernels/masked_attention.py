@@ -371,7 +371,8 @@ def _check_index(field, t, shape, dtype, device):
         _refuse(field, f"is on {t.device}", f"must be on the device of keys ({device})", str(t.device))
 
 
-def _validate(queries, keys, values, query_index, key_padding_mask, key_groups, n_groups, backend):
+def _validate(queries, keys, values, query_index, key_padding_mask, key_groups, n_groups, backend,
+              check_values=True):
     check_backend(backend)
     dtype = check_float_inputs(OP, queries=queries, keys=keys, values=values)
     if keys.dim() != 3 or min(keys.shape) < 1:
@@ -411,6 +412,8 @@ def _validate(queries, keys, values, query_index, key_padding_mask, key_groups, 
         _check_index("key_groups", key_groups, (B, P), torch.int64, keys.device)
     # the value checks cost one host sync for all of them
     checks = []
+    if not check_values:
+        return dtype
     if query_index is not None:
         checks.append(("query_index", "has rows out of range", f"must hold rows in [0, R = {queries.shape[0]})",
                        ((query_index >= 0) & (query_index < queries.shape[0])).all()))
@@ -438,6 +441,7 @@ def masked_attention(
     n_groups: int = 0,
     backend: str = "auto",
     input_precision: str = "auto",
+    check_values: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Softmax attention of (shared or per-sample) queries over each sample's keys: ``(out, group_attn)``.
 
@@ -455,17 +459,19 @@ def masked_attention(
         input_precision: the Triton ``tl.dot`` precision, ``"auto"`` (TF32 for float32, IEEE for float64),
             ``"tf32"`` or ``"ieee"`` (see ``featlearn.kernels.backend.resolve_precision``). The PyTorch
             fallback follows ``torch.backends.cuda.matmul.allow_tf32``.
+        check_values: check the index and group ranges and the padding (one host sync, which stalls a GPU
+            stream); a caller whose indices come from one generator checks its first call only.
 
     Returns:
         ``out`` (B, Pq, dv) and ``group_attn`` (B, Pq, n_groups), the attention summed per key group (no
         gradient), or None when n_groups is 0. Scale 1 (no 1/sqrt(d)), no causal mask.
 
     Refuses bad arguments (shapes, dtypes, devices, index and group ranges, fully padded samples) with a
-    ``KernelInputError`` / ``ConfigError`` naming the argument, before any work; the range checks cost one
-    host sync.
+    ``KernelInputError`` / ``ConfigError`` naming the argument, before any work; the range checks
+    (``check_values``) cost one host sync.
     """
     precision = resolve_precision(input_precision, _validate(queries, keys, values, query_index, key_padding_mask,
-                                                             key_groups, n_groups, backend))
+                                                             key_groups, n_groups, backend, check_values))
     which = resolve_backend(backend, queries, keys, values)
     if which == "triton":
         if torch.is_grad_enabled():

@@ -137,7 +137,7 @@ class ViTCL(GlobalLocalViT):
         n_groups = self.n_areas + 1 if groups is not None else 0
         if self.pooling == "op" or (self.pooling == "auto" and resolve_backend(self.backend, rows, x) == "triton"):
             out, A = masked_attention(rows, x, x, key_groups=groups, n_groups=n_groups, backend=self.backend,
-                                      input_precision=self.input_precision)
+                                      input_precision=self.input_precision, check_values=self.global_step == 0)
             return out.mean(1), A
         attn = torch.softmax(rows @ x.transpose(1, 2), dim=-1)                   # [B, P, P]
         A = None

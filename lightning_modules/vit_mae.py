@@ -179,7 +179,8 @@ class ViTMAE(GlobalLocalViT):
                 self.E @ self.Q, masked_x + self.E, masked_x, query_index=query_pos,
                 key_padding_mask=batch["mask"] if self.masked_keys == "exclude" else None,
                 key_groups=self.key_groups(batch) if with_areas else None, n_groups=self.n_areas + 1 if with_areas else 0,
-                backend=self.backend, input_precision=self.input_precision)
+                backend=self.backend, input_precision=self.input_precision,
+                check_values=self.global_step == 0)  # the sampler's indices: checked once, no per-step host sync
             target = x.gather(1, query_pos.unsqueeze(-1).expand(-1, -1, self.d))
             per_query = 0.5 * (out - target).square().sum(-1)
         return per_query.sum(1).mean(), per_query, A

@@ -245,6 +245,16 @@ def test_bad_inputs_refused_before_any_work(refused_before_work, backend, field,
     assert error.field == field and isinstance(error, ConfigError)
 
 
+def test_value_checks_can_be_skipped_shape_checks_cannot():
+    """``check_values=False`` (the modules after their first step: no per-call host sync) gives the same result
+    on valid input and skips only the range checks; shape and dtype refusals stay."""
+    args, _ = _inputs(50, (2, 5, 9, 6, 3), "index", True, 3)
+    checked, skipped = ma.masked_attention(**args), ma.masked_attention(**args, check_values=False)
+    assert torch.equal(checked[0], skipped[0]) and torch.equal(checked[1], skipped[1])
+    with pytest.raises(ConfigError, match="query_index has dtype torch.int32"):
+        ma.masked_attention(**{**args, "query_index": args["query_index"].int()}, check_values=False)
+
+
 @pytest.mark.parametrize("name", ["keys", "values"])
 def test_triton_refuses_keys_or_values_requiring_grad(refused_before_work, name):
     args, _ = _inputs(49, (2, 5, 9, 6, 3), "shared", False, 0)

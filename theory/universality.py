@@ -43,9 +43,9 @@ import torch
 from featlearn.errors import ConfigError
 
 __all__ = ["layout", "project_spectral_frobenius", "project_bisection", "project_trust_region", "column_norms",
-           "group_means", "predicted_column_norms", "closed_form_representation", "contrastive_loss_closed_form", "linear_cka",
-           "ridge_fit", "ridge_loo_errors", "norm_constrained_fit", "predictor_bound", "downstream_errors", "private_overlap",
-           "LAMBDA_GRID", "MODES"]
+           "group_means", "predicted_column_norms", "closed_form_representation", "contrastive_loss_closed_form",
+           "linear_cka", "ridge_fit", "ridge_loo_errors", "norm_constrained_fit", "predictor_bound",
+           "downstream_errors", "private_overlap", "LAMBDA_GRID", "MODES"]
 
 MODES = ("universal", "specific", "cr")
 """Pretraining modes: all tasks, the target task only, contrastive regularisation of the universal
