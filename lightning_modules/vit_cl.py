@@ -8,10 +8,16 @@ queries::
 computed by :func:`featlearn.kernels.masked_attention.masked_attention` with the shared query rows
 ``W = E Q`` (``out.mean(1)``), or, on the PyTorch backend (``pooling="auto"`` on CPU), by the pooled form
 ``F = abar X`` with ``abar = 1/P 1^T softmax(W X^T)`` (spec 3.2): the same function with half the GEMMs,
-as the op's output rows are never needed one by one. The loss is InfoNCE on the raw inner product with stop-gradient candidates
-(spec 4.3): for anchor ``X_i^+`` (one masking of the noisy sample ``X_i``), the positive ``X_i^{++}``
-(another masking of the same ``X_i``, same noise) and the negatives, the unaugmented ``X_j`` of every other
-sample of the global batch (``N_c = B - 1``)::
+as the op's output rows are never needed one by one. The pooled form takes the logits of all three views
+from one product ``W X^T`` of the unmasked sample: a masked key is a zero patch, whose logit is exactly 0
+and whose value adds nothing, so a view's logits are that product with its masked columns set to 0 (the
+same numbers, bit for bit, as the product with the masked view; one GEMM instead of three). In the
+canonical basis ``W = E Q`` is the first P rows of Q (``E = [I_P 0]``; again bit for bit).
+
+The loss is InfoNCE on the raw inner product with stop-gradient candidates (spec 4.3): for anchor ``X_i^+``
+(one masking of the noisy sample ``X_i``), the positive ``X_i^{++}`` (another masking of the same ``X_i``,
+same noise) and the negatives, the unaugmented ``X_j`` of every other sample of the global batch
+(``N_c = B - 1``)::
 
     L = mean_i  -tau log( exp(<F(X_i^+), sg F(X_i^{++})>/tau) / sum_{X' in {X_i^{++}} u {X_j}_{j != i}} exp(<F(X_i^+), sg F(X')>/tau) )
         + lambda/2 ||Q||_F^2
@@ -119,6 +125,7 @@ class ViTCL(GlobalLocalViT):
         check_memory("data", type(dm), {"batch_size": B, "P": P, "d": d},
                      item * (2 * d * d + 5 * B * P * d + 3 * B * P * P), "Q and one step's patches and attention")
         self.n_masked = dm.n_masked
+        self.canonical = dm.basis == "canonical"  # E = [I_P 0]: E Q is Q's first P rows
         self.tau = self.hparams.temperature if self.hparams.temperature is not None else 1.0 / math.log(d)
         self.Q = torch.nn.Parameter(torch.zeros(d, d, dtype=dm.dtype))
         self.init = init_values(P, dm.C_1, dm.C_s, self.n_masked)
@@ -128,35 +135,64 @@ class ViTCL(GlobalLocalViT):
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.0, weight_decay=self.lam)
 
     def query_rows(self) -> torch.Tensor:
-        return self.E @ self.Q
+        return self.Q[: self.P] if self.canonical else self.E @ self.Q
 
     # --- the model ------------------------------------------------------------------------------
+    def use_op(self, rows: torch.Tensor, x: torch.Tensor) -> bool:
+        """Whether the views go through the fused op (``pooling``; ``auto``: when it runs on Triton)."""
+        return self.pooling == "op" or (self.pooling == "auto" and resolve_backend(self.backend, rows, x) == "triton")
+
     def pooled(self, rows: torch.Tensor, x: torch.Tensor, groups: torch.Tensor | None = None
                ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(F [B, d], area attention [B, P, N + 1] or None)``: every position queries ``x`` with its row."""
         n_groups = self.n_areas + 1 if groups is not None else 0
-        if self.pooling == "op" or (self.pooling == "auto" and resolve_backend(self.backend, rows, x) == "triton"):
+        if self.use_op(rows, x):
             out, A = masked_attention(rows, x, x, key_groups=groups, n_groups=n_groups, backend=self.backend,
                                       input_precision=self.input_precision, check_values=self.global_step == 0)
             return out.mean(1), A
-        attn = torch.softmax(rows @ x.transpose(1, 2), dim=-1)                   # [B, P, P]
+        return self.pooled_from_logits(rows @ x.transpose(1, 2), x, None, groups)
+
+    def pooled_from_logits(self, logits: torch.Tensor, x: torch.Tensor, mask: torch.Tensor | None = None,
+                           groups: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The pooled form from the logits ``[B, P, P]`` of the view of ``x`` whose keys ``mask [B, P]`` are
+        masked (zero patches: their logits must be 0 already; their values are dropped here)."""
+        attn = torch.softmax(logits, dim=-1)                                     # [B, P, P]
         A = None
         if groups is not None:
-            A = torch.zeros(*attn.shape[:2], n_groups, dtype=attn.dtype, device=attn.device)
+            A = torch.zeros(*attn.shape[:2], self.n_areas + 1, dtype=attn.dtype, device=attn.device)
             A.scatter_add_(2, groups.unsqueeze(1).expand_as(attn), attn.detach())
-        return (attn.mean(1).unsqueeze(1) @ x).squeeze(1), A
+        abar = attn.mean(1)
+        if mask is not None:
+            abar = abar.masked_fill(mask, 0.0)
+        return (abar.unsqueeze(1) @ x).squeeze(1), A
+
+    def sample_patches(self, batch: dict) -> torch.Tensor:
+        """The noisy sample ``X = (z_p v_{f(p)})_p + noise`` ``[B, P, d]``. In the canonical basis ``v_{k,j}`` is
+        coordinate ``P + k N + j``: the noise with ``z_p`` added there (the same numbers as the dense sum)."""
+        if not self.canonical:
+            return patch_vectors(batch["feat_id"], batch["z"], self.V) + batch["noise"]
+        x = batch["noise"].clone()
+        return x.scatter_add_(-1, (self.P + batch["feat_id"]).unsqueeze(-1), batch["z"].to(x.dtype).unsqueeze(-1))
 
     def batch_loss(self, batch: dict, with_areas: bool = False) -> dict[str, torch.Tensor]:
         """The loss of one batch and what the metrics read: ``loss``, ``per_anchor``, ``p_pos``, the anchors'
         representations ``F1`` and their area attention ``A`` (when asked)."""
-        x = patch_vectors(batch["feat_id"], batch["z"], self.V) + batch["noise"]
+        x = self.sample_patches(batch)
         m1, m2 = batch["mask1"], batch["mask2"]
         rows = self.query_rows()
         groups = torch.where(m1, self.n_areas, batch["area"]) if with_areas else None
-        f1, A = self.pooled(rows, x.masked_fill(m1.unsqueeze(-1), 0.0), groups)
-        with torch.no_grad():
-            f2 = self.pooled(rows.detach(), x.masked_fill(m2.unsqueeze(-1), 0.0))[0]
-            fx = self.pooled(rows.detach(), x)[0]
+        if self.use_op(rows, x):
+            f1, A = self.pooled(rows, x.masked_fill(m1.unsqueeze(-1), 0.0), groups)
+            with torch.no_grad():
+                f2 = self.pooled(rows.detach(), x.masked_fill(m2.unsqueeze(-1), 0.0))[0]
+                fx = self.pooled(rows.detach(), x)[0]
+        else:  # one product for the three views: a masked key's logit is 0 (module docstring)
+            logits = (rows @ x.transpose(1, 2)).contiguous()  # [B, P, P]; one layout for the three softmaxes
+            f1, A = self.pooled_from_logits(logits.masked_fill(m1.unsqueeze(1), 0.0), x, m1, groups)
+            with torch.no_grad():  # the anchor's graph saves no logits: the positive's view may overwrite them
+                logits = logits.detach()
+                fx = self.pooled_from_logits(logits, x)[0]
+                f2 = self.pooled_from_logits(logits.masked_fill_(m2.unsqueeze(1), 0.0), x, m2)[0]
         own = torch.arange(x.shape[0], device=x.device)
         if distributed():
             own = own + dist.get_rank() * x.shape[0]  # every rank holds the same B (SyntheticDataModule)

@@ -80,7 +80,8 @@ def bars_figure(groups: Mapping[str, Mapping[str, float]], *, ylabel: str, title
     """
     labels = list(dict.fromkeys(k for inner in groups.values() for k in inner))
     width = 0.8 / max(1, len(groups))
-    fig, ax = plt.subplots(figsize=(max(4.0, 1.2 * len(labels) * max(1, len(groups)) * 0.6), 4.0),
+    # room for each group of bars and for its (possibly multi-line) label
+    fig, ax = plt.subplots(figsize=(max(4.0, len(labels) * max(1.9, 0.7 * len(groups))), 4.5),
                            constrained_layout=True)
     for i, (name, inner) in enumerate(groups.items()):
         xs = [labels.index(k) + (i - (len(groups) - 1) / 2) * width for k in inner]

@@ -104,11 +104,26 @@ def test_exact_gradient_equals_autograd_on_both_paths(masked_keys):
     torch.testing.assert_close(E @ g_q @ E.T, g_ups, rtol=1e-10, atol=1e-12 * scale)
     assert float(g_q[47:].abs().max()) == 0.0                           # content rows get no gradient
     if masked_keys == "include":
-        attn = s.structured_attention(batch, batch["masked_idx"]).detach()
+        attn = s.structured_attention(batch, batch["masked_idx"])[0].detach()
         alpha, beta = theory.mae_gradient_projections(attn, batch["masked_idx"], batch["area"], ~batch["mask"],
                                                       batch["z_area"], batch["cluster"], 3)
         torch.testing.assert_close(alpha, -g_phi, rtol=1e-10, atol=1e-12 * scale)
         torch.testing.assert_close(beta, -g_ups, rtol=1e-10, atol=1e-12 * scale)
+
+
+@pytest.mark.parametrize("masked_keys", ["include", "exclude"])
+def test_structured_forms_agree(masked_keys, monkeypatch):
+    """The structured path's two forms (GEMMs with the area one-hot for few areas; gather and scatter_add for
+    many) give the same attention, area sums, loss and gradients."""
+    s, _, batch = _pair(masked_keys=masked_keys)
+    outs = []
+    for limit in (10 ** 6, 0):  # every area count takes the GEMM form, then the gather form
+        monkeypatch.setattr(type(s), "GEMM_MAX_AREAS", limit)
+        attn, A = s.structured_attention(batch, batch["masked_idx"], with_areas=True)
+        loss = s.batch_loss(batch)[0]
+        outs.append((attn, A, loss, *torch.autograd.grad(loss, (s.phi, s.upsilon))))
+    for gemm, gather in zip(*outs):
+        torch.testing.assert_close(gemm, gather, rtol=1e-12, atol=1e-14)
 
 
 def _sgd(model, dm, steps, start=0):

@@ -20,6 +20,7 @@ from __future__ import annotations
 import csv
 import ctypes
 import statistics
+import textwrap
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -326,7 +327,7 @@ def write(results: list[Result], out: Path, stem: str, header: str) -> list[Path
     md_path.write_text(table(results, header) + "\n")
     groups: dict[str, dict[str, float]] = {}
     for (case, shape, variant), (vs_e, _) in rs.items():
-        groups.setdefault(variant, {})[f"{case}\n{shape}"] = vs_e
+        groups.setdefault(variant, {})[f"{case}\n" + textwrap.fill(shape, 20)] = vs_e
     fig = bars_figure(groups, ylabel="speed-up vs eager (higher is faster)", title=header.lstrip("# ").split("\n")[0])
     png_path = save_png(fig, out / f"{stem}.png")
     return [csv_path, md_path, png_path]

@@ -1,0 +1,393 @@
+"""The methods of ``featlearn bench step``: how featlearn builds each method at its main job's size, and the
+plain PyTorch loop written from the method's spec that its step is checked and timed against.
+
+A :class:`Method` is one method's step: the DataModule and LightningModule featlearn runs (with the
+arguments of the main job's config), and the plain loop: :meth:`Method.state` copies the module's initial
+trained tensors and the constants the spec's step reads, ``_forward`` is the loss in ~10-20 lines (one GEMM
+per branch, the stop-gradient branch from the same product where the spec allows; this is what
+``torch.compile`` compiles), and :meth:`Method.update` is SGD by hand plus the method's step-finishing work
+(a norm cap, a bias schedule, a head's frozen diagonal, a projection). The harness that checks and times
+them is :mod:`featlearn.bench.steps`.
+
+Where featlearn's step has a detail the spec leaves open, the plain loop follows featlearn (said in the
+method's docstring): the float64 check compares weights after one step to 1e-10.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from featlearn.datamodules.global_local_patches import GlobalLocalPatchDataModule
+from featlearn.datamodules.hidden_representation import HiddenRepresentationDataModule
+from featlearn.datamodules.multiview import MultiViewDataModule
+from featlearn.datamodules.sparse_coding import SparseCodingDataModule
+from featlearn.datamodules.two_feature_patches import TwoFeaturePatchDataModule
+from featlearn.kernels import smoothed_relu
+from featlearn.lightning_modules.contrastive import ContrastiveModule
+from featlearn.lightning_modules.mrp import TeacherStudentMRP
+from featlearn.lightning_modules.noncontrastive import NonContrastiveModule
+from featlearn.lightning_modules.universality import LinearContrastive
+from featlearn.lightning_modules.vit_cl import ViTCL
+from featlearn.lightning_modules.vit_mae import ViTMAE
+from featlearn.theory.contrastive import grown_bias
+from featlearn.theory.noncontrastive import population_loss
+
+METHODS = ("mrp", "contrastive", "noncontrastive", "vit_mae", "vit_cl", "universality")
+SIZES = ("smoke", "tiny")
+
+
+@dataclass
+class Method:
+    """One method's step: how featlearn builds it and the plain loop written from its spec."""
+    name: str
+    dtype: torch.dtype
+    log_every: int
+    data: type
+    data_args: dict
+    model: type
+    model_args: dict
+    trained: tuple[str, ...]
+    """The module's trained tensors, in the order the plain loop returns them."""
+    weights = ("w",)
+    """The plain loop's trained tensors (keys of its state), in the order of ``trained``."""
+    shape_keys = ("k", "d", "P", "num_pretrain", "d1", "batch_size", "num_negatives", "dim", "num_patches",
+                  "num_train")
+    """The data and model arguments printed as the case's shape."""
+
+    def build(self, seed: int, dtype: torch.dtype, device: torch.device):
+        torch.manual_seed(seed)
+        dm = self.data(**{**self.data_args, "seed": seed})
+        model = self.model(**self.model_args).attach(dm).to(device=device, dtype=dtype)
+        return model, dm
+
+    def first_batch(self, dm, device: torch.device, dtype: torch.dtype) -> dict:
+        """The first training batch the Trainer would make (step 0, one device)."""
+        n = dm.batch_size or dm.sizes["train"]
+        batch = dm.batch(torch.arange(n, device=device), "train")
+        return {k: v.to(dtype) if v.is_floating_point() else v for k, v in batch.items()}
+
+    def shape(self) -> str:
+        args = {**self.data_args, **self.model_args}
+        return ", ".join(f"{k}={args[k]}" for k in self.shape_keys if args.get(k) is not None)
+
+    def state(self, model) -> dict:
+        """The plain loop's state: copies of the trained tensors and the constants the spec's step reads."""
+        raise NotImplementedError
+
+    def loss(self, state: dict, batch: dict, forward=None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def update(self, state: dict, step: int) -> None:
+        """SGD on ``state`` from its gradients, then the step-finishing work of the spec."""
+        raise NotImplementedError
+
+
+def _trainable(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().clone().requires_grad_(True)
+
+
+def _sgd(params: list[torch.Tensor], lrs: list[float], decay: float = 0.0) -> None:
+    for p, lr in zip(params, lrs):
+        p.sub_(lr * (p.grad + decay * p))
+        p.grad = None
+
+
+# ------------------------------------------------------------------------------------------------
+# seed 000: teacher-student MRP, mask-expected loss, full batch, norm cap (spec 000 2.3, 3.1, 8)
+# ------------------------------------------------------------------------------------------------
+class MRP(Method):
+    def state(self, model):
+        tau = 1 + (1 - model.theta) / (model.C_p * model.theta)  # c_tau = 0: constant teacher scale
+        return {"w": _trainable(model.weight), "tau": tau, "theta": model.theta,
+                "q": model.q, "rho": model.rho, "lr": model.lr, "cap": model.norm_cap}
+
+    @staticmethod
+    def _forward(w, x, tau: float, theta: float, q: int, rho: float):
+        def f(a):
+            return smoothed_relu(a, q, rho)
+
+        a = x @ w.T  # [N, P, R]: the one GEMM; the teacher tau w reads the same product
+        y = f(a)
+        teacher = f(tau * a.detach()).sum(1)
+        return 0.5 * ((teacher - y.sum(1)) ** 2).sum(1).mean() + 0.5 * (1 / theta - 1) * (y * y).sum((1, 2)).mean()
+
+    def loss(self, state, batch, forward=None):
+        return (forward or self._forward)(state["w"], batch["x"], state["tau"], state["theta"], state["q"],
+                                          state["rho"])
+
+    @staticmethod
+    def _update(w, lr: float, cap: float):
+        w.sub_(lr * w.grad)
+        w.mul_((cap / w.norm(dim=1, keepdim=True)).clamp(max=1.0))
+
+    def update(self, state, step):
+        self._update(state["w"], state["lr"], state["cap"])
+        state["w"].grad = None
+
+
+# ------------------------------------------------------------------------------------------------
+# seed 001: soft-threshold network, stop-gradient InfoNCE, SGD + weight decay, bias schedule (spec 001 3-4)
+# ------------------------------------------------------------------------------------------------
+class Contrastive(Method):
+    def state(self, model):
+        return {"w": _trainable(model.w), "b": model.bias.detach().clone(),
+                "M": model.M, "tau": model.tau, "lr": model.hp.lr, "lam": model.lam, "d": model.d,
+                "beta0": model.hp.bias_reset_mult, "c_b": model.hp.bias_min_rate_mult, "kappa": model.kappa_b,
+                "T1": None}
+
+    @staticmethod
+    def _forward(w, b, xa, xq, xn, tau: float):
+        def f(x):
+            u = x @ w.T
+            return torch.relu(u - b) - torch.relu(-u - b)
+
+        ha = f(xa)
+        with torch.no_grad():
+            hq, hn = f(xq), f(xn)
+        logits = torch.cat([(ha * hq).sum(-1, keepdim=True), ha @ hn.T], -1) / tau
+        target = torch.zeros(len(ha), dtype=torch.long, device=ha.device)
+        return tau * F.cross_entropy(logits, target)
+
+    def loss(self, state, batch, forward=None):
+        return (forward or self._forward)(state["w"], state["b"], batch["x_a"], batch["x_q"], batch["x_neg"],
+                                          state["tau"])
+
+    @staticmethod
+    def _update(w, lr: float, lam: float, M):
+        w.sub_(lr * (w.grad + lam * w))
+        norm = w.norm(dim=1)
+        return norm, ((w @ M) ** 2).sum(1) / norm ** 2
+
+    def update(self, state, step):
+        w = state["w"]
+        with torch.no_grad():
+            prev = w.norm(dim=1)
+            norm, rho = self._update(w, state["lr"], state["lam"], state["M"])
+            w.grad = None
+            d = state["d"]
+            if state["T1"] is None and float(rho.min()) >= 0.5:  # T1: reset the bias
+                state["T1"] = step
+                state["b"] = state["beta0"] * math.sqrt(2 * math.log(d) / d) * norm
+            elif state["T1"] is not None:
+                state["b"] = grown_bias(state["b"], norm, prev, state["c_b"] * state["lr"] / d, state["kappa"])
+
+
+# ------------------------------------------------------------------------------------------------
+# seed 004: cubic patch encoder, identity-initialised head with frozen diagonal, BN cosine loss (spec 004 4.1)
+# ------------------------------------------------------------------------------------------------
+class NonContrastive(Method):
+    weights = ("w", "E")
+
+    def state(self, model):
+        return {"w": _trainable(model.w), "E": _trainable(model.head), "lr": model.lr, "head_lr": model.head_lr,
+                "pop": (model.features, model.alphas, model.probs, model.num_patches, model.num_feature_patches,
+                        model.noise_std) if model.gradient == "population" else None}
+
+    @staticmethod
+    def _forward(w, E, x, m1):
+        a3 = (x @ w.T) ** 3  # [N, P, m]: one GEMM; the stop-gradient view 2 reads the same product
+        f = (a3 * m1[..., None]).sum(1)
+        g = (a3.detach() * (1 - m1)[..., None]).sum(1)
+
+        def bn(t):
+            c = t - t.mean(0)
+            return c / (c * c).mean(0).sqrt()
+
+        return ((bn(f @ E.T) - bn(g)) ** 2).sum(1).mean() / w.shape[0]
+
+    def loss(self, state, batch, forward=None):
+        if state["pop"] is not None:  # the spec's N = infinity closed form (theory.noncontrastive, spec 5.6)
+            return population_loss(state["w"], state["E"], *state["pop"])
+        return (forward or self._forward)(state["w"], state["E"], batch["x"], batch["view1"].to(batch["x"].dtype))
+
+    @staticmethod
+    def _update(w, E, lr: float, head_lr: float):
+        _sgd([w, E], [lr, head_lr])
+        E.diagonal().fill_(1.0)  # Algorithm 1 line 6
+
+    def update(self, state, step):
+        self._update(state["w"], state["E"], state["lr"], state["head_lr"])
+
+
+# ------------------------------------------------------------------------------------------------
+# seed 002: one-layer softmax ViT, masked autoencoding, the structured (Phi, Upsilon) path (spec 002 3.1, 4.1, 7.2)
+# ------------------------------------------------------------------------------------------------
+class ViTMAEStep(Method):
+    """The exact reduced parametrisation of spec 3.1(3) / 7.2 (featlearn's CPU path): the logits of a masked
+    query p are ``s_pq = 1{q in U} z_q Phi[p, f(q)] + Upsilon[p, q]``, the loss is Lemma D.8's closed form in
+    the unmasked area attention ``A_{p,m}`` (spec 4.1), plain SGD at ``eta`` on Phi and Upsilon, nothing after
+    the update. Both area contractions (Phi's row onto the keys, the attention onto the areas: spec 7.2's
+    gather and segment sum) are batched GEMMs with the one-hot of the unmasked keys' areas. Spec 7.2 leaves the
+    batch reduction open: featlearn's loss is the mean over samples of the sum over masked patches (spec 4.1's
+    minibatch estimate), and so is this loop's."""
+    weights = ("phi", "upsilon")
+    shape_keys = ("P", "K", "d", "gamma", "path", "batch_size")
+
+    def state(self, model):
+        return {"phi": _trainable(model.phi), "upsilon": _trainable(model.upsilon), "lr": model.lr,
+                "N": model.n_areas}
+
+    @staticmethod
+    def _forward(phi, upsilon, query, cluster, area, unmasked, z, z_area, N: int):
+        keys = F.one_hot(area, N).to(phi.dtype) * unmasked.unsqueeze(-1)            # [B, P, N] unmasked keys' areas
+        rows = phi.view(phi.shape[0], -1, N)[query, cluster.unsqueeze(-1)]          # [B, Pq, N]: Phi[p, k N + m]
+        s = upsilon[query] + rows @ (keys * z.unsqueeze(-1)).transpose(1, 2)         # [B, Pq, P] spec 3.1(3)
+        A = torch.softmax(s, -1) @ keys                                             # [B, Pq, N] area attention
+        target = F.one_hot(area.gather(1, query), N).to(phi.dtype)
+        return 0.5 * (z_area.unsqueeze(1) ** 2 * (A - target) ** 2).sum((1, 2)).mean()  # Lemma D.8, spec 4.1
+
+    def loss(self, state, batch, forward=None):
+        return (forward or self._forward)(state["phi"], state["upsilon"], batch["masked_idx"], batch["cluster"],
+                                          batch["area"], ~batch["mask"], batch["z"], batch["z_area"], state["N"])
+
+    def update(self, state, step):
+        _sgd([state["phi"], state["upsilon"]], [state["lr"]] * 2)
+
+
+# ------------------------------------------------------------------------------------------------
+# seed 002: one-layer softmax ViT, contrastive learning, pooled form, stop-gradient InfoNCE (spec 002 3.2, 4.3, 7.3)
+# ------------------------------------------------------------------------------------------------
+class ViTCLStep(Method):
+    """Spec 7.3: shared query rows ``Y = E Q``, logits ``Y X^T``, a row softmax, the column mean ``abar`` and
+    ``F = abar X`` per view; the anchor ``X^+`` carries the gradient, the positive ``X^{++}`` and the
+    unaugmented in-batch negatives ``X_j, j != i`` are stop-gradient (spec 4.3); plain SGD with weight decay
+    ``lambda``. All three views read one GEMM ``Y X^T`` of the unmasked sample: a masked key is a zero patch
+    with logit 0 (spec 3.2), so a view's logits are that product with its masked columns set to 0 and its
+    pooled output drops their values. The spec leaves open how the anchor's own sample leaves the negatives:
+    featlearn sets its logit to -inf, and so does this loop."""
+    weights = ("Q",)
+    shape_keys = ("P", "K", "d", "gamma0", "batch_size")
+
+    def state(self, model):
+        return {"Q": _trainable(model.Q), "E": model.E, "V": model.V, "tau": model.tau, "lr": model.lr,
+                "lam": model.lam}
+
+    @staticmethod
+    def _forward(Q, E, V, feat_id, z, noise, mask1, mask2, tau: float):
+        x = V[feat_id] * z.unsqueeze(-1) + noise                                    # the noisy sample X (spec 1.4)
+        s = (E @ Q) @ x.transpose(1, 2)                                             # [B, P, P]: the one GEMM
+
+        def pooled(s, mask):                                                        # F = abar X (spec 3.2)
+            if mask is not None:
+                s = s.masked_fill(mask.unsqueeze(1), 0.0)
+            abar = torch.softmax(s, -1).mean(1)                                     # [B, P]
+            if mask is not None:
+                abar = abar.masked_fill(mask, 0.0)
+            return (abar.unsqueeze(1) @ x).squeeze(1)
+
+        f1, f2, fx = pooled(s, mask1), pooled(s.detach(), mask2), pooled(s.detach(), None)
+        neg = (f1 @ fx.T).masked_fill(torch.eye(len(fx), dtype=torch.bool, device=fx.device), float("-inf"))
+        logits = torch.cat([(f1 * f2).sum(-1, keepdim=True), neg], 1) / tau
+        return tau * F.cross_entropy(logits, torch.zeros(len(f1), dtype=torch.long, device=f1.device))
+
+    def loss(self, state, batch, forward=None):
+        return (forward or self._forward)(state["Q"], state["E"], state["V"], batch["feat_id"], batch["z"],
+                                          batch["noise"], batch["mask1"], batch["mask2"], state["tau"])
+
+    def update(self, state, step):
+        _sgd([state["Q"]], [state["lr"]], state["lam"])
+
+
+# ------------------------------------------------------------------------------------------------
+# seed 003 ch. 7: linear representation, multi-negative logistic loss, projected SGD (spec 003b 2.2)
+# ------------------------------------------------------------------------------------------------
+class UniversalityStep(Method):
+    """Spec 003b 2.2, universal mode: ``phi(x) = W x``, the ``theory`` loss
+    ``softplus(-phi(x)^T (phi(x+) - mean_batch phi(x)))`` (one GEMM per view), SGD, then the exact projection
+    onto ``{||W||_2 <= 1, ||W||_F <= sqrt(r)}``: one SVD, ``sigma <- min(1, sigma / (1 + tau))`` with ``tau``
+    bisected on the singular values (the spec's pseudo-code, 60 halvings). The spec's code leaves the SVD's
+    precision open: featlearn computes the projection in float64 and returns W's dtype, and so does this loop."""
+    shape_keys = ("T", "s", "r", "u", "batch_size")
+
+    def state(self, model):
+        return {"w": _trainable(model.w), "lr": model.hp.lr, "r": float(model.r)}
+
+    @staticmethod
+    def _forward(w, x, x_pos):
+        f, f_pos = x @ w.T, x_pos @ w.T
+        return F.softplus(-(f * (f_pos - f.mean(0, keepdim=True))).sum(1)).mean()
+
+    def loss(self, state, batch, forward=None):
+        return (forward or self._forward)(state["w"], batch["x"], batch["x_pos"])
+
+    @staticmethod
+    def project(w: torch.Tensor, r: float, spec: float = 1.0) -> torch.Tensor:
+        U, S, Vh = torch.linalg.svd(w.double(), full_matrices=False)
+        shrink = lambda tau: (S / (1 + tau)).clamp(max=spec)  # noqa: E731
+        tau = 0.0
+        if float((shrink(0.0) ** 2).sum()) > r:
+            lo, hi = 0.0, float(((S ** 2).sum() / r).sqrt())
+            for _ in range(60):
+                mid = (lo + hi) / 2
+                lo, hi = (mid, hi) if float((shrink(mid) ** 2).sum()) > r else (lo, mid)
+            tau = hi
+        return ((U * shrink(tau)) @ Vh).to(w.dtype)
+
+    def update(self, state, step):
+        w = state["w"]
+        _sgd([w], [state["lr"]])
+        w.copy_(self.project(w, state["r"]))
+
+
+# ------------------------------------------------------------------------------------------------
+# the main jobs' sizes (tiny) and a few-second version of each (smoke)
+# ------------------------------------------------------------------------------------------------
+_MRP_TINY = dict(k=10, d=256, P=16, C_p=1, s=2.0, mu=0.02, rho=0.1, sigma_p=0.005, gamma=0.002, num_pretrain=1000,
+                 num_downstream=500, num_test=10000)
+_MRP_MODEL = dict(theta=0.5, loss="expected", q=3, rho=0.25, sigma0=0.02, m=6, lr=5.0, norm_cap=1.0,
+                  stop_after_capture=200, backend="auto")
+_CON_TINY = dict(d=32, d1=256, dictionary="random", augment="random_mask", num_negatives=256, negatives="shared",
+                 mode="online", batch_size=256, num_val=8000, num_test=4000)
+_CON_MODEL = dict(width_mult=4.0, lr=2.0, bias_mode="schedule", seed=0, backend="auto")
+_NC_TINY = dict(dim=100, num_patches=32, num_feature_patches=8, alphas=[4.0, 2.7], noise_std=1.0, dtype="float64")
+_NC_MODEL = dict(width=2, head="offdiag", target="shared_sg", lr=0.05, head_lr=0.05, out_norm="bn", backend="auto")
+# configs/vit/data_p256_pos.yaml (K = 4 for mae.yaml; cl.yaml sets K = 8, d = 512)
+_VIT_TINY = dict(P=256, K=4, kappa_c=0.875, kappa_s=0.5, layout="random", basis="canonical", d=None, z_law="uniform",
+                 z_low=0.9, z_high=1.1, noise_var=None, dtype="float32", mode="online", batch_size=32,
+                 steps_per_epoch=100, num_val=256, num_test=256)
+_VIT_SMOKE = dict(P=64, kappa_c=0.75, kappa_s=0.5, batch_size=8, num_val=8, num_test=8)
+_MAE_MODEL = dict(gamma=0.75, lr=None, path="structured", masked_keys="include")            # configs/vit/mae.yaml
+_CL_MODEL = dict(gamma0=0.5, lr=5000.0, temperature=None, weight_decay=0.0, pooling="auto")  # configs/vit/cl.yaml
+# configs/universality/data_tiny.yaml and universal.yaml
+_UNI_TINY = dict(T=4, s=5, r=10, u=10, sigma_S=1.0, sigma_R=1.0, sigma_U=1.0, task_weights=None, dictionary="haar",
+                 target_task=0, label="regression", label_noise=0.25, mode="online", batch_size=2048,
+                 steps_per_epoch=100, num_val=16, num_test=4000)
+_UNI_MODEL = dict(mode="universal", loss="theory", lr=0.5, optimizer="sgd", init_scale=0.01, probe_repeats=10, seed=0)
+
+
+def method(name: str, size: str) -> list[Method]:
+    """The step cases of one method at ``size`` (non-contrastive: its sampled and its population step)."""
+    smoke = size == "smoke"
+    if name == "mrp":
+        data = dict(_MRP_TINY, k=4, d=16, P=10, num_pretrain=32, num_downstream=16, num_test=16) if smoke else _MRP_TINY
+        return [MRP("mrp", torch.float32, 10, MultiViewDataModule, data, TeacherStudentMRP,
+                    dict(_MRP_MODEL, m=2) if smoke else _MRP_MODEL, ("weight",))]
+    if name == "contrastive":
+        data = dict(_CON_TINY, d=8, d1=32, num_negatives=16, batch_size=16, num_val=16, num_test=16) if smoke \
+            else _CON_TINY
+        return [Contrastive("contrastive", torch.float32, 25, SparseCodingDataModule, data, ContrastiveModule,
+                            _CON_MODEL, ("w",))]
+    if name == "noncontrastive":
+        shape = dict(_NC_TINY, dim=12, num_patches=8, num_feature_patches=2) if smoke else _NC_TINY
+        sample = dict(shape, mode="fixed", batch_size=None, num_train=64 if smoke else 1024, num_val=8, num_test=8)
+        population = dict(shape, mode="online", batch_size=2, num_val=8, num_test=8)
+        return [NonContrastive("noncontrastive sample", torch.float64, 500, TwoFeaturePatchDataModule, sample,
+                               NonContrastiveModule, _NC_MODEL, ("w", "head")),
+                NonContrastive("noncontrastive population", torch.float64, 500, TwoFeaturePatchDataModule, population,
+                               NonContrastiveModule, dict(_NC_MODEL, gradient="population"), ("w", "head"))]
+    if name == "vit_mae":
+        data = dict(_VIT_TINY, **_VIT_SMOKE, K=2) if smoke else _VIT_TINY
+        return [ViTMAEStep("vit_mae", torch.float32, 10, GlobalLocalPatchDataModule, data, ViTMAE, _MAE_MODEL,
+                           ("phi", "upsilon"))]
+    if name == "vit_cl":
+        data = dict(_VIT_TINY, **_VIT_SMOKE, K=4) if smoke else dict(_VIT_TINY, K=8, d=512)
+        return [ViTCLStep("vit_cl", torch.float32, 10, GlobalLocalPatchDataModule, data, ViTCL, _CL_MODEL, ("Q",))]
+    if name == "universality":
+        data = dict(_UNI_TINY, T=2, s=2, r=4, u=2, batch_size=64, num_test=16) if smoke else _UNI_TINY
+        return [UniversalityStep("universality", torch.float32, 25, HiddenRepresentationDataModule, data,
+                                 LinearContrastive, dict(_UNI_MODEL, probe_repeats=1) if smoke else _UNI_MODEL,
+                                 ("w",))]
+    raise ValueError(f"unknown method {name!r}: one of {', '.join(METHODS)}")
