@@ -252,10 +252,22 @@ def main(args=None) -> None:
         return
     try:
         make_cli(args)
+        _close_process_group()
     except ConfigError as err:
         _refuse(str(err))
     except DivergenceError as err:
         sys.exit(f"diverged: {err}")
+
+
+def _close_process_group() -> None:
+    """Every rank meets at a barrier and destroys the process group before the interpreter exits: a gloo
+    group left to the exit's destructors can abort a rank ("terminate called without an active exception",
+    exit code -6) while its peer is still closing its connections."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
