@@ -172,6 +172,21 @@ class StructuredParityDataModule(SyntheticDataModule):
         return self._dictionary[:, self._relevant].sum(1)
 
     @property
+    def centres(self) -> torch.Tensor | None:
+        """hypercube_mog: the ``2^k`` cluster centres ``sum_i eps_i M_i`` ``[2^k, d]`` (float64, row ``r`` has
+        ``eps_i = +1`` where bit ``i`` of ``r`` is set); None for the other labellings.
+
+        Example:
+            >>> dm = StructuredParityDataModule(dim=6, num_patterns=2, k=2, labeling="hypercube_mog")
+            >>> dm.centres.shape, round(float(dm.centres[3] @ dm.centres[0]), 9)
+            (torch.Size([4, 6]), -2.0)
+        """
+        if self.labeling != "hypercube_mog":
+            return None
+        bits = (torch.arange(2 ** self.k)[:, None] >> torch.arange(self.k)) & 1
+        return (2 * bits.double() - 1) @ self._dictionary.T
+
+    @property
     def sigma_tilde(self) -> float:
         return math.sqrt(self.constants["sigma2"])
 

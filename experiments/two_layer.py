@@ -1,25 +1,32 @@
 """Feature learning from input structure (seed 003 chapter 2, spec 003a section 1): the two-layer network
 against fixed-feature baselines, Table A.1 (parity, d = 500) printed beside the paper's numbers.
 
-``python -m featlearn.experiments.two_layer [--table A1|A2|A3] [--seed S ...] [--lr3-grid M ...]
+``python -m featlearn.experiments.two_layer [--table A1|A2|A3|MOG] [--seed S ...] [--lr3-grid M ...]
 [--num-train N] [--out DIR]``
 
 Built from ``configs/two_layer/experiment.yaml``: its ``methods`` (Network, NTK, RF, One Step, Two Step,
 w/o structure) each run their config (``network.yaml``, ``ntk.yaml``, ...) on the table's data preset
-with the table's width m and step count T. Every method gets the same tuning budget: each multiplier of
-``lr3_grid`` (of the theory's stage-3 step size) is trained on the first seed and the one with the best
-validation accuracy is kept for every seed. Cells are accuracy in % (train, test on a fresh 10,000-sample
-set) and ``CosSim = max_i cos(w_i, sum_A M_j)`` at the end (for RF the init, for One / Two Step the
-frozen first layer after step 1 / 2; NA for the NTK, whose features are the init's). Several seeds give
-``mean (min-max)``.
+with the table's width m and step count T. Every method that takes stage-3 steps gets the same tuning
+budget: each multiplier of ``lr3_grid`` (of the theory's stage-3 step size) is trained on the first seed
+and the one with the best validation accuracy is kept for every seed. One / Two Step are "the best
+classifiers" on the frozen hidden layer (A.7.1), solved exactly, so they have no step size to tune. Cells
+are accuracy in % (train, test on a fresh 10,000-sample set) and ``CosSim = max_i cos(w_i, sum_A M_j)`` at
+the end (for RF the init, for One / Two Step the frozen first layer after step 1 / 2; NA for the NTK,
+whose features are the init's). Several seeds give ``mean (min-max)``.
+
+``--table MOG``: the mixture of Gaussians on hypercube vertices (A.7.3, Table A.6: (d, k, sigma_r) =
+(100, 4, 1), (25, 4, 0.7), (100, 5, 1)), trained by "typical practice" (``mog.yaml``: plain minibatch
+steps, no feature-learning steps, since gamma = 0 there) for the Network and its NTK / RF; the paper
+prints no accuracies, so the table has ours, and as Cos the centre coverage: over the 2^k cluster centres,
+the best neuron's cosine with each, worst and mean.
 
 Theory (Theorems 2.2-2.4 and A.20): the network's neurons align with ``+-sum_A M_j`` after step 2 and it
 reaches ~100%; fixed features (NTK, RF) and the step-1 features cannot fit the parity; without input
 structure the gradient carries no signal and test accuracy stays ~50%.
 
 Writes ``two_layer_<table>.md`` / ``.json``, the MDS picture of the network's neurons after init, step 1
-and step 2 (``two_layer_<table>_neurons.png``) and the test accuracies against the paper's
-(``two_layer_<table>_accuracy.png``).
+and step 2 (``two_layer_<table>_neurons_<setting>.png``; on the mixture after init, 5/8 of the steps and
+the end, with the centres) and the test accuracies against the paper's (``two_layer_<table>_accuracy.png``).
 """
 from __future__ import annotations
 
@@ -37,6 +44,12 @@ from featlearn.metrics.figures import bars_figure
 
 SETTINGS = yaml.safe_load((CONFIGS / "two_layer" / "experiment.yaml").read_text())
 ROWS = ("Train", "Test", "Cos")
+MOG_ROWS = ("Train", "Test", "Cos centres min", "Cos centres mean")
+
+
+def methods_of(setting: dict) -> dict:
+    """The columns a table setting runs (its ``methods`` key names a block of experiment.yaml)."""
+    return SETTINGS[setting.get("methods", "methods")]
 
 
 def _positive(kind, what="a finite number > 0"):
@@ -51,12 +64,15 @@ def _positive(kind, what="a finite number > 0"):
 def parse_args(argv=None) -> argparse.Namespace:
     ap = experiment_parser(__doc__.split("\n")[0], "runs/two_layer")
     ap.add_argument("--table", choices=sorted(SETTINGS["tables"]), default="A1",
-                    help="A1: parity d=500 (default); A2: interval; A3: parity d=100 and d=2000")
-    ap.add_argument("--methods", nargs="+", choices=list(SETTINGS["methods"]), default=list(SETTINGS["methods"]),
-                    metavar="METHOD", help="columns to run (default all: " + ", ".join(SETTINGS["methods"]) + ")")
+                    help="A1: parity d=500 (default); A2: interval; A3: parity d=100 and d=2000; MOG: the "
+                         "Gaussian mixtures of Table A.6")
+    every = list(dict.fromkeys([*SETTINGS["methods"], *SETTINGS["mog_methods"]]))
+    ap.add_argument("--methods", nargs="+", choices=every, metavar="METHOD",
+                    help="columns to run (default all of the table's: " + ", ".join(SETTINGS["methods"]) +
+                         "; MOG: " + ", ".join(SETTINGS["mog_methods"]) + ")")
     ap.add_argument("--lr3-grid", type=_positive(float), nargs="+", default=SETTINGS["lr3_grid"],
-                    help=f"multipliers of the stage-3 step size tried for every method (default "
-                         f"{SETTINGS['lr3_grid']})")
+                    help=f"multipliers of the stage-3 step size tried for every method that takes stage-3 "
+                         f"steps (default {SETTINGS['lr3_grid']})")
     ap.add_argument("--num-train", type=_positive(int, "an integer > 0"),
                     help="training samples (default the preset's 50,000)")
     ap.add_argument("--width", type=_positive(int, "an integer > 0"), help="m, replacing the table's")
@@ -66,6 +82,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     def check(parser, args):
         if args.steps is not None and args.steps < 3:
             parser.error(f"--steps: must be an integer > 2 (two schedule steps, then minibatches), got {args.steps}")
+        available = list(dict.fromkeys(m for st in SETTINGS["tables"][args.table] for m in methods_of(st)))
+        if args.methods is None:
+            args.methods = available
+        elif set(args.methods) - set(available):
+            parser.error(f"--methods: table {args.table} has the columns {', '.join(available)}, got "
+                         f"{', '.join(m for m in args.methods if m not in available)}")
     return parse_experiment_args(ap, argv, check=check)
 
 
@@ -78,6 +100,10 @@ def run_one(setting: dict, method: dict, seed: int, lr3: float, args, name: str)
             "--heatmap.every_n_steps", str(10 ** 9)]
     if "dim" in setting:
         over += ["--data.init_args.dim", str(setting["dim"])]
+    for key, value in setting.get("data_args", {}).items():
+        over += [f"--data.init_args.{key}", str(value)]
+    if "mode" in method:
+        over += ["--model.init_args.mode", method["mode"]]
     if args.num_train is not None:
         over += ["--data.init_args.num_train", str(args.num_train)]
     if method.get("structure") is False:
@@ -86,8 +112,14 @@ def run_one(setting: dict, method: dict, seed: int, lr3: float, args, name: str)
     cli.trainer.fit(cli.model, cli.datamodule)
     model, dm = cli.model, cli.datamodule
     acc = {split: model.accuracy(dm.full(split)["x"], dm.full(split)["y"]) for split in ("train", "val", "test")}
-    cos = None if model.mode == "ntk" else model.final_metrics()["cos_final"]
-    return model, dm, {"train": 100 * acc["train"], "val": 100 * acc["val"], "test": 100 * acc["test"], "cos": cos}
+    final = model.final_metrics()
+    cos = None if model.mode == "ntk" else final["cos_final"]
+    res = {"train": 100 * acc["train"], "val": 100 * acc["val"], "test": 100 * acc["test"], "cos": cos}
+    if "cos_centres_min" in final:
+        ntk = model.mode == "ntk"
+        res["cos_centres_min"] = None if ntk else final["cos_centres_min"]
+        res["cos_centres_mean"] = None if ntk else final["cos_centres_mean"]
+    return model, dm, res
 
 
 def run_setting(setting: dict, args) -> tuple[dict, dict]:
@@ -95,21 +127,30 @@ def run_setting(setting: dict, args) -> tuple[dict, dict]:
     neuron figure of the first seed."""
     out, figure = {}, None
     first = args.seed[0]
-    for label in progress(args.methods, setting["name"]):
-        method = SETTINGS["methods"][label]
+    methods = methods_of(setting)
+    for label in progress([m for m in args.methods if m in methods], setting["name"]):
+        method = methods[label]
         trials = {}
         for lr3 in args.lr3_grid:
             model, _, res = run_one(setting, method, first, lr3, args, _slug(f"{setting['name']}_{label}_lr{lr3}_s{first}"))
             trials[lr3] = (res, model)
+            if not model.tunes_lr3:  # a probe solved exactly: every step size gives the same fit
+                break
         best = max(trials, key=lambda lr: trials[lr][0]["val"])
         per_seed = {first: trials[best][0]}
         if label == "Network":
             figure = trials[best][1].neuron_figure()
         for seed in args.seed[1:]:
             per_seed[seed] = run_one(setting, method, seed, best, args, _slug(f"{setting['name']}_{label}_s{seed}"))[2]
-        out[label] = {"lr3_mult": best, "per_seed": per_seed,
+        out[label] = {"lr3_mult": best if model.tunes_lr3 else None, "per_seed": per_seed,
                       "trials": {str(lr): {k: v for k, v in r.items()} for lr, (r, _) in trials.items()}}
     return out, figure
+
+
+def _preset_num_train(settings: list[dict]) -> int | str:
+    sizes = {yaml.safe_load((CONFIGS / "two_layer" / st["data"]).read_text())["init_args"]["num_train"]
+             for st in settings}
+    return sizes.pop() if len(sizes) == 1 else "/".join(map(str, sorted(sizes)))
 
 
 def _slug(text: str) -> str:
@@ -118,28 +159,44 @@ def _slug(text: str) -> str:
 
 def cells(result: dict) -> dict[str, str]:
     seeds = list(result["per_seed"].values())
+
+    def cos(key):
+        return "NA" if seeds[0].get(key) is None else mean_range([r[key] for r in seeds], "{:.3f}")
     return {"Train": mean_range([r["train"] for r in seeds], "{:.1f}"),
             "Test": mean_range([r["test"] for r in seeds], "{:.1f}"),
-            "Cos": "NA" if seeds[0]["cos"] is None else mean_range([r["cos"] for r in seeds], "{:.3f}")}
+            "Cos": cos("cos"), "Cos centres min": cos("cos_centres_min"), "Cos centres mean": cos("cos_centres_mean")}
 
 
 def markdown(results: dict, meta: dict) -> str:
-    lines = [f"Seed 003 chapter 2, Table {meta['table']}: measured (paper). {meta['command']}", "",
-             f"seeds {meta['seeds']}; n = {meta['num_train']} training samples; wall {meta['wall_s']} s; "
-             f"stage-3 step size chosen per method from x{meta['lr3_grid']} of the theory's on validation "
-             f"accuracy (seed {meta['seeds'].split(',')[0].split('..')[0]}); lambda^(3..T) x{SETTINGS['reg3_mult']}.", ""]
+    mog = meta["table"] == "MOG"
+    first = meta["seeds"].split(",")[0].split("..")[0]
+    lines = [f"Seed 003 chapter 2, Table {meta['table']}: measured{'' if mog else ' (paper)'}. {meta['command']}", "",
+             f"seeds {meta['seeds']}; n = {meta['num_train']} training samples; wall {meta['wall_s']} s. Same tuning "
+             f"budget for every column that takes stage-3 steps: its step size chosen from x{meta['lr3_grid']} of "
+             f"the theory's on validation accuracy (seed {first}); lambda^(3..T) x{SETTINGS['reg3_mult']}." +
+             ("" if mog else " One / Two Step: the best classifier on the frozen hidden layer, solved exactly "
+                             "(L2-SVM, Newton; 'exact'), as the paper's 'best classifiers'."), ""]
+    if mog:
+        lines[-1:-1] = ["The paper prints no accuracies for these runs. Network: 'typical practice' training "
+                        "(configs/two_layer/mog.yaml: plain minibatch steps from the first, no feature-learning "
+                        "steps); Cos centres: over the 2^k cluster centres, the best neuron's cosine with each, "
+                        "worst (min) and mean (RF: the init's; NA for the NTK)."]
     for name, res in results.items():
         methods = list(res)
         paper = SETTINGS["paper"].get(name, {})
         lines += [f"**{name}**", "", "| row | " + " | ".join(methods) + " |", "|---|" + "---|" * len(methods)]
-        for i, row in enumerate(ROWS):
+        for i, row in enumerate(MOG_ROWS if mog else ROWS):
             row_cells = []
             for label in methods:
                 ours = cells(res[label])[row]
+                if mog:
+                    row_cells.append(ours)
+                    continue
                 theirs = paper.get(label, [None] * 3)[i]
                 row_cells.append(f"{ours} ({'NA' if theirs is None else theirs})")
             lines.append(f"| {row} | " + " | ".join(row_cells) + " |")
-        lines.append("| lr3 x | " + " | ".join(f"{res[m]['lr3_mult']:g}" for m in methods) + " |")
+        lines.append("| lr3 x | " + " | ".join("exact" if res[m]["lr3_mult"] is None else f"{res[m]['lr3_mult']:g}"
+                                               for m in methods) + " |")
         lines.append("")
     return "\n".join(lines)
 
@@ -159,11 +216,12 @@ def main(argv=None) -> dict:
         paper = SETTINGS["paper"].get(name, {})
         groups[f"{name} measured"] = {m: sum(r["test"] for r in res[m]["per_seed"].values()) / len(res[m]["per_seed"])
                                       for m in res}
-        groups[f"{name} paper"] = {m: paper[m][1] for m in res if m in paper}
+        if paper:
+            groups[f"{name} paper"] = {m: paper[m][1] for m in res if m in paper}
     figures["accuracy"] = bars_figure(groups, ylabel="test accuracy (%)", title=f"Table {args.table}")
     from featlearn.experiments.noncontrastive import seed_ranges
     meta = {"table": args.table, "seeds": seed_ranges(args.seed), "lr3_grid": args.lr3_grid,
-            "num_train": args.num_train or 50000, "threads": args.threads, "wall_s": round(time.time() - t0, 1),
+            "num_train": args.num_train or _preset_num_train(SETTINGS["tables"][args.table]), "threads": args.threads, "wall_s": round(time.time() - t0, 1),
             "command": shlex.join(["python", "-m", "featlearn.experiments.two_layer",
                                    *(sys.argv[1:] if argv is None else argv)])}
     payload = {"meta": meta, "results": {name: {m: {**r, "per_seed": {str(s): v for s, v in r["per_seed"].items()}}

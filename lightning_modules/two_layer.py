@@ -14,7 +14,9 @@ plain gradient steps ``theta <- (1 - 2 eta lambda) theta - eta grad L`` on the t
 Theorem A.20 (:func:`featlearn.theory.two_layer.theory_schedule`): step 1 full batch, erasing ``w``
 (``lambda_w = 1/(2 eta)``: ``w <- -eta grad_w L``, applied as exactly that, not as a cancellation);
 step 2 full batch, ``a, w <- -grad L``; steps 3..T minibatches, no smoothing. The data serves the
-full-batch steps (:meth:`StructuredParityDataModule.use_full_batch_steps`).
+full-batch steps (:meth:`StructuredParityDataModule.use_full_batch_steps`). ``schedule: plain`` skips the
+feature-learning steps (every step a stage-3 step): the "typical practice" training of the
+mixture-of-Gaussians runs (A.7.3), whose labelling has gamma = 0 (give ``sigma_a`` then).
 
 ``mode`` picks what is trained, every mode for the same T steps on the same batches, with the stage-3
 step size ``lr3`` (tuned on the same grid for every mode by the experiment):
@@ -24,15 +26,20 @@ step size ``lr3`` (tuned on the same grid for every mode by the experiment):
   ``f(x) = sum_i da_i sigma(z_i) + sum_i a_i^(0) sigma'(z_i) (<dw_i, x> + db_i)`` with
   ``z_i = <w_i^(0), x> + b_i^(0)``: two GEMMs per batch, never the kernel matrix;
 * ``rf``: the second layer only, first layer frozen at init (random features);
-* ``one_step`` / ``two_step``: steps 1 (and 2) of the schedule, then the first layer frozen and the
-  second layer trained on its outputs (a linear classifier on the hidden layer).
+* ``one_step`` / ``two_step``: steps 1 (and 2) of the schedule, then the first layer frozen and "the best
+  classifier" on the hidden layer (A.7.1; ``readout: best``): at the next step, a full-batch one, the
+  second layer is set to :func:`~featlearn.theory.two_layer.best_linear_classifier` of the whole training
+  split, and the remaining steps change nothing. ``readout: schedule`` trains it with the stage-3 steps
+  instead, which at the theory's step size stops at the threshold rule (README, chapter 2).
 
 The network without input structure is ``mode: network`` on ``data.structure: false``; its
 hyperparameters (sigma_a, eta^(1)) use gamma of the structured distribution (F_Xi0 has gamma = 0).
 
 Theory metrics: ``CosSim = max_i cos(w_i, sum_{j in A} M_j)`` at init and after steps 1, 2 and T (for
 ``ntk``, of ``w^(0) + dw``), the accuracy on the validation split, and an MDS picture of the neuron
-directions after init, step 1 and step 2 (TensorBoard ``neurons/mds`` and :meth:`neuron_figure`).
+directions after init, step 1 and step 2 (TensorBoard ``neurons/mds`` and :meth:`neuron_figure`). On the
+Gaussian mixture also ``cos_centres_min`` / ``_mean``: over the 2^k cluster centres, the best neuron's
+cosine with each (:func:`~featlearn.theory.two_layer.centre_coverage`).
 
 Example:
     >>> from featlearn.datamodules.structured_parity import StructuredParityDataModule
@@ -50,6 +57,7 @@ import math
 from typing import Literal
 
 import torch
+from torchmetrics import MeanMetric
 
 from featlearn.datamodules.structured_parity import StructuredParityDataModule
 from featlearn.errors import ConfigError
@@ -57,7 +65,8 @@ from featlearn.kernels.smoothed_clamp import (gaussian_smoothed_clamp, gaussian_
                                               smoothed_clamp_layer)
 from featlearn.lightning_modules.base import FeatureLearningModule
 from featlearn.metrics.figures import plt
-from featlearn.theory.two_layer import cos_sim, data_constants, hinge, mds_embedding, theory_schedule
+from featlearn.theory.two_layer import (best_linear_classifier, centre_coverage, cos_sim, data_constants, hinge,
+                                        mds_embedding, theory_schedule)
 from featlearn.validation import NonNegativeFloat, PositiveFloat, PositiveInt, check_args, check_memory
 
 MODES = ("network", "ntk", "rf", "one_step", "two_step")
@@ -95,12 +104,15 @@ class TwoLayerNetwork(FeatureLearningModule):
     Args:
         width: m; the network has 2m neurons (mirrored pairs). Paper: 300 (parity), 100 (interval).
         mode: ``network``, ``ntk``, ``rf``, ``one_step`` or ``two_step``.
-        schedule: ``A20`` (Theorem A.20, default), ``A17`` (Lemma A.17) or ``A28`` (Theorem A.28).
+        schedule: ``A20`` (Theorem A.20, default), ``A17`` (Lemma A.17), ``A28`` (Theorem A.28) or
+            ``plain`` (stage-3 steps from the first, no feature-learning steps; network, ntk, rf only).
         lr1_mult, smoothing_mult, lr3_mult, reg3_mult: multipliers of eta^(1), sigma_xi^(1,2), eta^(3..T)
             and lambda^(3..T) against the theory's formulas (the paper does not print its values).
         steps: T, the schedule's total number of steps (None: ``trainer.max_steps``).
         sigma_w, sigma_b, sigma_a: init stds (None: 1/k, 1/k^2, sigma~^2/(gamma k^2)).
         class_weighted: weight the hinge by 1/(2 Pr[y = v]) in steps 1-2 (the general setting, A.8).
+        readout: ``best`` (the probes' second layer solved exactly, default) or ``schedule`` (stage-3 steps).
+        readout_ridge: the ridge of the exact readout (a tiny one: the near-max-margin separator).
         init_seed: seed of the initialisation (None: the data seed).
         backend: the op's backend (``auto``: Triton on CUDA).
         input_precision: the op's GEMM precision on a GPU (``ieee`` default: w^(1) is ~1e-8 of b).
@@ -115,7 +127,7 @@ class TwoLayerNetwork(FeatureLearningModule):
         self,
         width: PositiveInt = 300,
         mode: Literal["network", "ntk", "rf", "one_step", "two_step"] = "network",
-        schedule: Literal["A20", "A17", "A28"] = "A20",
+        schedule: Literal["A20", "A17", "A28", "plain"] = "A20",
         lr1_mult: PositiveFloat = 1.0,
         smoothing_mult: NonNegativeFloat = 1.0,
         lr3_mult: PositiveFloat = 1.0,
@@ -125,20 +137,29 @@ class TwoLayerNetwork(FeatureLearningModule):
         sigma_b: NonNegativeFloat | None = None,
         sigma_a: PositiveFloat | None = None,
         class_weighted: bool = False,
+        readout: Literal["best", "schedule"] = "best",
+        readout_ridge: PositiveFloat = 1e-8,
         init_seed: int | None = None,
         backend: Literal["auto", "torch", "triton"] = "auto",
         input_precision: Literal["auto", "tf32", "ieee"] = "ieee",
     ):
         check_args("model", TwoLayerNetwork.__init__, locals())
+        if schedule == "plain" and mode in ("one_step", "two_step"):
+            raise ConfigError("model.schedule", f"a three-stage schedule (A20, A17, A28) for mode {mode} (its "
+                                                f"features are those of steps 1-2)", schedule)
         super().__init__()
         self.save_hyperparameters()
         self.width, self.mode, self.schedule_kind = width, mode, schedule
         self.mults = {"lr1_mult": float(lr1_mult), "smoothing_mult": float(smoothing_mult),
                       "lr3_mult": float(lr3_mult), "reg3_mult": float(reg3_mult)}
         self.steps, self.class_weighted, self.init_seed = steps, class_weighted, init_seed
+        self.readout, self.readout_ridge = readout, float(readout_ridge)
         self.init_std = (sigma_w, sigma_b, sigma_a)
         self.backend, self.precision = backend, input_precision
         self.snapshots: dict[str, torch.Tensor] = {}
+        # torchmetrics reduces sums and counts over ranks: the accuracy of the whole split under DDP, g = 0
+        # counted wrong as in :meth:`accuracy` (the mirrored init's g is 0 everywhere)
+        self.split_accuracy = torch.nn.ModuleDict({"val": MeanMetric(), "test": MeanMetric()})
         self.automatic_optimization = True
 
     # --- parameters ---------------------------------------------------------------------------
@@ -153,10 +174,14 @@ class TwoLayerNetwork(FeatureLearningModule):
         self.k, self.gamma, self.sigma_tilde = k, design["gamma"], math.sqrt(design["sigma2"])
         self.p_min = dm.constants["p_min"]
         self.class_weights = (1 / (2 * dm.constants["prob_pos"]), 1 / (2 * (1 - dm.constants["prob_pos"])))
-        if self.gamma <= 0:
-            raise ConfigError("data.labeling", "a labelling with label correlation gamma > 0 on A (the init scale "
-                                               "sigma_a and eta^(1) divide by it)", dm.labeling)
         sw, sb, sa = self.init_std
+        if self.gamma <= 0 and self.schedule_kind != "plain":
+            raise ConfigError("data.labeling", "a labelling with label correlation gamma > 0 on A (the init scale "
+                                               "sigma_a and eta^(1) divide by it; schedule: plain has no eta^(1))",
+                              dm.labeling)
+        if self.gamma <= 0 and sa is None:
+            raise ConfigError("model.sigma_a", "set when the labelling has gamma = 0 (its default "
+                                               "sigma~^2/(gamma k^2) divides by gamma)", sa)
         sw = 1 / k if sw is None else sw
         sb = 1 / k ** 2 if sb is None else sb
         sa = self.sigma_tilde ** 2 / (self.gamma * k ** 2) if sa is None else sa
@@ -176,12 +201,16 @@ class TwoLayerNetwork(FeatureLearningModule):
             self.w, self.b, self.a = torch.nn.Parameter(w), torch.nn.Parameter(b), torch.nn.Parameter(a)
         self.register_ground_truth("features", dm.features)
         self.register_ground_truth("direction", dm.target_direction.to(dtype))
+        if dm.centres is not None:
+            self.register_ground_truth("centres", dm.centres.to(dtype))
         self.register_buffer("cos_stages", torch.full((4,), float("nan"), dtype=torch.float64))
         self.register_buffer("val_acc", torch.full((), float("nan"), dtype=torch.float64))
         self.cos_stages[0] = cos_sim(w.double(), dm.target_direction)
         self.snapshots["init"] = w[: min(m, 150)].clone()
-        # every mode takes the same batches: steps 1-2 full batch (the schedule's), then minibatches
-        dm.use_full_batch_steps(2)
+        # every mode takes the same batches: steps 1-2 full batch (the schedule's), then minibatches; an
+        # exact readout reads the whole training split at its step
+        readout = self.readout_step()
+        dm.use_full_batch_steps(0 if self.schedule_kind == "plain" else max(2, readout or 0))
 
     def first_layer(self) -> torch.Tensor:
         """The first-layer weights ``[2m, d]`` (for ``ntk``, ``w^(0) + dw``)."""
@@ -197,6 +226,18 @@ class TwoLayerNetwork(FeatureLearningModule):
                               None if trainer is None else trainer.max_steps)
         return trainer.max_steps
 
+    def readout_step(self) -> int | None:
+        """The step at which the probes' second layer is solved exactly (the one after the first layer
+        freezes), None where every step is a gradient step."""
+        if self.readout != "best" or self.mode not in ("one_step", "two_step"):
+            return None
+        return _FROZEN_AFTER[self.mode] + 1
+
+    @property
+    def tunes_lr3(self) -> bool:
+        """Whether the stage-3 step size changes anything (not for a probe solved exactly)."""
+        return self.readout_step() is None
+
     def theory_values(self) -> dict[str, float]:
         return theory_schedule(self.k, self.width, self.gamma, self.sigma_tilde, self.total_steps(),
                                self.schedule_kind, self.p_min, **self.mults)
@@ -205,7 +246,7 @@ class TwoLayerNetwork(FeatureLearningModule):
         """Step ``step`` (1 for the first): its stage, smoothing, and per group (a, w, b) ``(lr, decay)``."""
         th = self.theory_values()
         frozen = _FROZEN_AFTER.get(self.mode)
-        stage = 3 if self.mode in ("ntk", "rf") else min(step, 3)
+        stage = 3 if self.mode in ("ntk", "rf") or self.schedule_kind == "plain" else min(step, 3)
         if frozen is not None and step > frozen:
             stage = 3
         decay3 = 1 - 2 * th["lr3"] * th["reg3"]
@@ -217,6 +258,9 @@ class TwoLayerNetwork(FeatureLearningModule):
             groups = {"a": (th["lr3"], decay3), "w": (th["lr3"], decay3), "b": (th["lr3"], 1.0)}
         if frozen is not None and step > frozen:
             groups["w"] = groups["b"] = (0.0, 1.0)
+        readout = self.readout_step()
+        if readout is not None and step >= readout:
+            groups["a"] = (0.0, 1.0)  # solved at the readout step, not stepped
         smoothing = th["smoothing1"] if stage == 1 else th["smoothing2"] if stage == 2 else 0.0
         return {"stage": stage, "smoothing": smoothing, "groups": groups}
 
@@ -266,26 +310,54 @@ class TwoLayerNetwork(FeatureLearningModule):
         w = self.first_layer()
         return (w @ self.features.T) / w.norm(dim=1, keepdim=True).clamp_min(1e-30)
 
+    def snapshot_steps(self) -> tuple[int, int]:
+        """The steps after init whose neuron directions the MDS picture shows: 1 and 2 (feature learning),
+        or for the plain schedule 5/8 of the way and the end (the paper's epochs 50 and 80 of 80, A.12)."""
+        if self.schedule_kind == "plain":
+            T = self.total_steps()
+            return max(1, min(T - 1, round(5 * T / 8))), T
+        return 1, 2
+
     def neuron_figure(self):
-        """MDS of the neuron directions after init, step 1 and step 2 (the first 150 neurons), coloured by
-        cos(w_i, sum_A M_j); None before step 2 or for modes that do not take those steps."""
-        if not {"init", "step1", "step2"} <= set(self.snapshots):
+        """MDS of the neuron directions (the first 150 neurons) after init and the two
+        :meth:`snapshot_steps`, coloured by cos(w_i, sum_A M_j), or on the Gaussian mixture by the best
+        centre cosine with the 2^k centres drawn among them (red: y = +1, orange: y = -1; as Fig. A.12);
+        None before the last snapshot or for modes that do not take those steps."""
+        names = ["init", *(f"step{t}" for t in self.snapshot_steps())]
+        if not set(names) <= set(self.snapshots):
             return None
         fig, axes = plt.subplots(1, 3, figsize=(12, 4), constrained_layout=True)
-        v = self.direction.double()
-        for ax, name in zip(axes, ("init", "step1", "step2")):
+        mog = hasattr(self, "centres")
+        for ax, name in zip(axes, names):
             w = self.snapshots[name].double().cpu()
-            xy = mds_embedding(w)
-            cos = (w @ v.cpu()) / (w.norm(dim=1) * v.norm()).clamp_min(1e-300)
-            image = ax.scatter(xy[:, 0], xy[:, 1], c=cos, cmap="RdBu_r", vmin=-1, vmax=1, s=12)
-            ax.set(title=f"{name}: max cos {float(cos.max()):.3f}", xlabel="MDS 1", ylabel="MDS 2")
-        fig.colorbar(image, ax=axes, label="cos(w_i, sum_A M_j)")
+            if mog:
+                centres = self.centres.double().cpu()
+                xy = mds_embedding(torch.cat([w, centres]))
+                cos = centre_coverage(centres, w)  # per neuron: its best centre
+                image = ax.scatter(xy[: len(w), 0], xy[: len(w), 1], c=cos, cmap="Blues", vmin=0, vmax=1, s=12)
+                bits = (torch.arange(len(centres))[:, None] >> torch.arange(self.k)) & 1
+                positive = (self.k - bits.sum(1)) % 2 == 0
+                ax.scatter(xy[len(w):, 0], xy[len(w):, 1], marker="*", s=90, edgecolors="k", linewidths=0.5,
+                           c=["red" if p else "orange" for p in positive.tolist()])
+                title = f"{name}: mean coverage {float(centre_coverage(w, centres).mean()):.3f}"
+            else:
+                v = self.direction.double().cpu()
+                xy = mds_embedding(w)
+                cos = (w @ v) / (w.norm(dim=1) * v.norm()).clamp_min(1e-300)
+                image = ax.scatter(xy[:, 0], xy[:, 1], c=cos, cmap="RdBu_r", vmin=-1, vmax=1, s=12)
+                title = f"{name}: max cos {float(cos.max()):.3f}"
+            ax.set(title=title, xlabel="MDS 1", ylabel="MDS 2")
+        fig.colorbar(image, ax=axes, label="max_c cos(w_i, centre c)" if mog else "cos(w_i, sum_A M_j)")
         return fig
 
     def final_metrics(self) -> dict[str, float]:
-        """CosSim at init, after steps 1 and 2 and at the end, and the last validation accuracy."""
+        """CosSim at init, after steps 1 and 2 and at the end, the last validation accuracy, and on the
+        Gaussian mixture the worst and mean centre coverage of the final first layer."""
         names = ("cos_init", "cos_step1", "cos_step2", "cos_final")
         out = {n: float(v) for n, v in zip(names, self.cos_stages.tolist()) if not math.isnan(v)}
+        if hasattr(self, "centres"):
+            cover = centre_coverage(self.first_layer().double(), self.centres.double())
+            out["cos_centres_min"], out["cos_centres_mean"] = float(cover.min()), float(cover.mean())
         if not math.isnan(float(self.val_acc)):
             out["val_acc"] = float(self.val_acc)
         return out
@@ -294,34 +366,72 @@ class TwoLayerNetwork(FeatureLearningModule):
     def on_fit_start(self) -> None:
         self.total_steps()  # refuse a schedule without T before the first step
 
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:
+        # the schedule's step sizes and decays, set before the closure runs the forward: a frozen layer's
+        # requires_grad is off, so its backward GEMM is skipped
+        for group in optimizer.param_groups:
+            group["lr"], group["decay"] = self.schedule_at(self.global_step + 1)["groups"][group["name"]]
+            for p in group["params"]:
+                p.requires_grad_(group["lr"] != 0 or group["decay"] != 1)
+        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+
     def training_step(self, batch, batch_idx):
         step = self.global_step + 1
         sched = self.schedule_at(step)
-        for group in self.optimizers().optimizer.param_groups:
-            group["lr"], group["decay"] = sched["groups"][group["name"]]
-            for p in group["params"]:  # frozen layers: no backward GEMM for them
-                p.requires_grad_(group["lr"] != 0 or group["decay"] != 1)
+        readout = self.readout_step()
+        if readout is not None and step >= readout:
+            return self.readout_training_step(batch, step == readout)
         loss = self.batch_loss(batch, step)
         if self.theory_due() or step <= 2:
             self.log_dict({"train/loss": loss.detach(), "train/stage": float(sched["stage"]),
                            "theory/cos_sim": self.cos()}, on_step=True, on_epoch=False)
         return loss
 
+    @torch.no_grad()
+    def fit_readout(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """Set the second layer to the best linear classifier of the hidden layer on ``(x, y)`` (every
+        rank's share gathered first, so all ranks solve the same problem)."""
+        h = self.hidden(x)
+        trainer = self._trainer
+        if trainer is not None and trainer.world_size > 1:
+            h, y = self.all_gather(h).flatten(0, 1), self.all_gather(y).flatten(0, 1)
+        self.a.copy_(best_linear_classifier(h, y, self.readout_ridge).to(self.a.dtype))
+
+    def readout_training_step(self, batch, solve: bool) -> torch.Tensor:
+        """A probe's steps from the readout on: the solve at the readout step (a full batch), then nothing
+        to do; the loss returned is a zero that keeps Lightning's step count (and DDP) going."""
+        if solve:
+            self.fit_readout(batch["x"], batch["y"])
+        if solve or self.theory_due():
+            with torch.no_grad():
+                loss = hinge(batch["y"] * self(batch["x"]))
+            self.log_dict({"train/loss": loss, "train/stage": 3.0, "theory/cos_sim": self.cos()},
+                          on_step=True, on_epoch=False)
+        self.a.requires_grad_(True)
+        return self.a.sum() * 0.0
+
     def finish_step(self, step: int) -> None:
-        """Record CosSim and the MDS snapshot after steps 1 and 2, CosSim at the last step."""
-        if step in (1, 2) and self.mode != "ntk":
+        """Record CosSim after steps 1 and 2, on the theory-metric steps and at the last step, and the MDS
+        snapshots."""
+        if step in (1, 2) and self.mode != "ntk" and self.schedule_kind != "plain":
             self.cos_stages[step] = self.cos()
-        if step in (1, 2) and (self.mode == "network" or _FROZEN_AFTER.get(self.mode, 0) >= step):
+        snaps = self.snapshot_steps()
+        if step in snaps and (self.mode == "network" or _FROZEN_AFTER.get(self.mode, 0) >= step):
             self.snapshots[f"step{step}"] = self.w.detach()[: min(self.width, 150)].clone()
-            if step == 2:
+            if step == snaps[1]:
                 figure = self.neuron_figure()
                 if figure is not None:
                     self.log_figure("neurons/mds", figure)
-        self.cos_stages[3] = self.cos()
+        if self.theory_due() or step == self.total_steps():  # a float64 copy of w and a host sync: not every step
+            self.cos_stages[3] = self.cos()
+
+    def _log_accuracy(self, batch, split: str) -> None:
+        metric = self.split_accuracy[split]
+        metric.update(((self(batch["x"]) * batch["y"]) > 0).double())
+        self.log(f"{split}/acc", metric, on_epoch=True, on_step=False)
 
     def validation_step(self, batch, batch_idx):
-        acc = ((self(batch["x"]) * batch["y"]) > 0).double().mean()
-        self.log("val/acc", acc, on_epoch=True, batch_size=batch["x"].shape[0])
+        self._log_accuracy(batch, "val")
 
     def on_validation_epoch_end(self) -> None:
         value = self.trainer.callback_metrics.get("val/acc")
@@ -329,8 +439,7 @@ class TwoLayerNetwork(FeatureLearningModule):
             self.val_acc.fill_(float(value))
 
     def test_step(self, batch, batch_idx):
-        acc = ((self(batch["x"]) * batch["y"]) > 0).double().mean()
-        self.log("test/acc", acc, on_epoch=True, batch_size=batch["x"].shape[0])
+        self._log_accuracy(batch, "test")
 
     def configure_optimizers(self):
         return ScheduledGD([{"params": [self.a], "name": "a"}, {"params": [self.w], "name": "w"},

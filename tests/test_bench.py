@@ -48,7 +48,7 @@ def test_step_smoke_featlearn_matches_plain_loop(tmp_path):
                                   "--out", str(tmp_path)])
     assert status == 0, [(r.case, r.variant, r.note) for r in results if not r.passed]
     assert {r.case for r in results} == {"mrp", "contrastive", "noncontrastive sample", "noncontrastive population",
-                                         "vit_mae", "vit_cl", "universality"}
+                                         "vit_mae", "vit_cl", "two_layer", "universality"}
     for r in results:  # one step from the same weights and batch, in float64: the same weights
         assert r.passed and r.error <= 1e-10 and len(r.seconds) == 2, (r.case, r.variant, r.note)
     assert all(f.exists() for f in files)

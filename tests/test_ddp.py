@@ -237,3 +237,17 @@ def test_logged_batch_metrics_are_the_global_batchs(tmp_path, name, prefix):
     assert len(batch_tags) >= 3 if name == "contrastive" else batch_tags, sorted(single)
     for tag in batch_tags:
         assert double[tag] == pytest.approx(single[tag], rel=1e-4, abs=1e-6), tag
+
+
+def test_two_layer_validation_accuracy_is_the_whole_splits(tmp_path):
+    """The ch. 2 network's validation accuracy on two processes (each scoring its half of the split) is the
+    accuracy of the whole split, as one process logs it: correct counts and totals are reduced over ranks
+    (torchmetrics), not rank 0's half alone."""
+    config, overrides, batch = CASES["two_layer"][:3]
+    overrides = [o for o in overrides if o not in ("--trainer.check_val_every_n_epoch", "1000")]
+    overrides += ["--trainer.limit_val_batches", "1.0", "--trainer.val_check_interval", "2",
+                  "--trainer.check_val_every_n_epoch", "null", "--data.num_val", "40", "--model.lr3_mult", "100"]
+    double = _fit_logged(tmp_path, config, overrides, devices=2, batch_size=batch, prefix="val/")
+    single = _fit_logged(tmp_path, config, overrides, devices=1, batch_size=2 * batch, prefix="val/")
+    assert "val/acc" in single, sorted(single)
+    assert double["val/acc"] == pytest.approx(single["val/acc"], abs=1e-6)

@@ -1,18 +1,25 @@
 """Headline claims of seed 003 chapter 2 through the experiment's own functions at a small size
 (parity, d = 100, D = 100, k = 5, m = 50, n = 4,000, T = 150, seed 0, the experiment's lr3 grid chosen on
-validation accuracy): the network's neurons align with sum_A M_j after two steps (CosSim > 0.99), and the
-network beats the fixed features (NTK, RF) on test accuracy.
+validation accuracy for the methods that take stage-3 steps): the network's neurons align with
+sum_A M_j after two steps (CosSim > 0.99); the best classifier on the step-2 features (Two Step) fits the
+parity while the step-1 features are useless (the paper's ~100% vs ~52%); and the network beats the fixed
+features (NTK, RF) on test accuracy.
 
-Measured (2 threads shared, this size): Network test 73.2% (lr3 x1; x100 49.5%), NTK 76.8% (x1), RF 72.3%
-(x100); CosSim after step 2 0.993, RF (init) 0.273. The accuracy claim fails at this size under the
-theory's schedule: the network stops at the 'S > k/2' threshold solution (the same as the full-size run,
-see the README section), so it is a strict xfail that says so."""
+Measured (one thread, this size, the grid x{0.01, 0.1, 1, 10, 100}; seeds 0 / 1 / 2 / 3 / 4): Two Step
+test 99.9 / 100.0 / 100.0%, One Step 50.5 / 50.4 / 50.5%; Network 80.4 / 82.1 / 84.8 / 81.1 / 76.1%
+(lr3 x10, x10, x1, x10, x10), NTK 78.7 / 78.7 / 79.0 / 78.4 / 78.3% (x0.1), RF 72.3 / 70.7 / 72.1 / 72.0 /
+71.1%; CosSim after step 2 0.993, RF (init) 0.273. The network's accuracy claim does not hold over seeds
+at this size under the theory's schedule (seed 0: +1.7 points over the NTK, below the 2-point margin;
+seed 4: 2.2 points under it): its stage-3 steps stop at or below the 'S >= 3' threshold rule (84.4% in
+population; the correlation classifier a ~ E[y h] of the step-2 features; README, chapter 2), so it is a
+strict xfail that says so."""
 import argparse
+import json
 from pathlib import Path
 
 import pytest
 
-from featlearn.experiments.two_layer import SETTINGS, parse_args, run_one
+from featlearn.experiments.two_layer import SETTINGS, main, parse_args, run_one
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -21,15 +28,19 @@ SETTING = {"name": "small", "data": "data_parity.yaml", "dim": 100, "width": 50,
 
 def _best(label: str, tmp_path: Path) -> dict:
     args = argparse.Namespace(width=None, steps=None, num_train=4000, out=tmp_path)
-    trials = [run_one(SETTING, SETTINGS["methods"][label], 0, lr, args, f"{label}_{lr}")[2]
-              for lr in SETTINGS["lr3_grid"]]
+    trials = []
+    for lr in SETTINGS["lr3_grid"]:
+        model, _, res = run_one(SETTING, SETTINGS["methods"][label], 0, lr, args, f"{label}_{lr}")
+        trials.append(res)
+        if not model.tunes_lr3:  # the probes' classifier is solved exactly, as in the experiment
+            break
     return max(trials, key=lambda r: r["val"])
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     root = tmp_path_factory.mktemp("two_layer_headline")
-    return {label: _best(label, root) for label in ("Network", "NTK", "RF")}
+    return {label: _best(label, root) for label in ("Network", "NTK", "RF", "One Step", "Two Step")}
 
 
 def test_neurons_align_with_the_relevant_patterns(results):
@@ -37,15 +48,44 @@ def test_neurons_align_with_the_relevant_patterns(results):
     assert results["RF"]["cos"] < 0.5              # random features stay where they started
 
 
-@pytest.mark.xfail(strict=True, reason="measured at this size: Network 73.2% < NTK 76.8% test accuracy; the "
-                                       "theory's schedule stops at the threshold solution (module docstring)")
+def test_step_two_features_fit_the_parity_and_step_one_features_do_not(results):
+    """Lemma A.17: a linear classifier on the step-2 hidden layer has zero loss; the step-1 layer is
+    nearly constant on the data (eta^(1) ~ 1e-8). Margins: 99.9% measured against 99, 50.5% against 60."""
+    assert results["Two Step"]["test"] > 99.0 and results["Two Step"]["train"] > 99.0
+    assert results["One Step"]["test"] < 60.0
+    assert results["Two Step"]["test"] > max(results["NTK"]["test"], results["RF"]["test"]) + 15.0
+
+
+@pytest.mark.xfail(strict=True, reason="measured at this size: Network 80.4% vs NTK 78.7% test accuracy (seed 0), "
+                                       "below the 2-point margin, and 76.1% < 78.3% on seed 4; the theory's "
+                                       "stage-3 steps stop at the threshold rule (module docstring)")
 def test_network_beats_fixed_features(results):
     assert results["Network"]["test"] > max(results["NTK"]["test"], results["RF"]["test"]) + 2.0
+
+
+def test_tables_write_md_json_png_and_probes_are_not_tuned(tmp_path):
+    """A tiny Table A.1 (Two Step, RF) and MOG (Network): the probe runs once ('exact'), RF over the grid;
+    the mixture's table has our numbers and the centre coverage, no paper column."""
+    out = main(["--methods", "Two Step", "RF", "--steps", "4", "--num-train", "1000", "--width", "4",
+                "--lr3-grid", "1", "100", "--out", str(tmp_path / "a1")])
+    res = out["results"]["parity d=500"]
+    assert list(res["Two Step"]["trials"]) == ["1.0"] and res["Two Step"]["lr3_mult"] is None
+    assert list(res["RF"]["trials"]) == ["1.0", "100.0"]
+    md = (tmp_path / "a1" / "two_layer_A1.md").read_text()
+    assert "| lr3 x | exact |" in md and "(100.0)" in md
+    mog = main(["--table", "MOG", "--methods", "Network", "--steps", "8", "--num-train", "1000", "--width", "4",
+                "--lr3-grid", "100", "--out", str(tmp_path / "mog")])
+    assert set(mog["results"]) == {s["name"] for s in SETTINGS["tables"]["MOG"]}
+    md = (tmp_path / "mog" / "two_layer_MOG.md").read_text()
+    assert "| Cos centres min |" in md and "(NA)" not in md
+    assert json.loads((tmp_path / "mog" / "two_layer_MOG.json").read_text())["meta"]["num_train"] == 1000
+    assert len(list((tmp_path / "mog").glob("two_layer_MOG_neurons_*.png"))) == 3
 
 
 @pytest.mark.parametrize("argv, option", [
     (["--table", "A9"], "--table"), (["--lr3-grid", "0"], "--lr3-grid"), (["--num-train", "-3"], "--num-train"),
     (["--steps", "2"], "--steps"), (["--seed", "1", "1"], "--seed"), (["--methods", "SVM"], "--methods"),
+    (["--table", "MOG", "--methods", "Two Step"], "--methods"),
 ])
 def test_bad_options_name_the_option(argv, option, capsys):
     with pytest.raises(SystemExit):

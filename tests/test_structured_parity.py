@@ -107,6 +107,11 @@ def test_hypercube_mog():
     assert ((coef - signs).abs() < 6 * noise_std).all()
     assert torch.equal(b["y"], signs.prod(1).to(b["y"].dtype))
     assert abs(b["x"].double().pow(2).sum(1).mean() - dm.constants["sigma2"]) < 0.02 * dm.constants["sigma2"]
+    # the 2^k centres: every sample is nearest its own cluster's centre, whose parity is the label
+    centres = dm.centres
+    assert centres.shape == (16, 100) and _dm().centres is None
+    nearest = (b["x"].double()[:2000] @ centres.T).argmax(1)
+    assert torch.equal((centres[nearest] @ dm.dictionary).round(), signs[:2000])
 
 
 def test_samples_are_functions_of_seed_split_index():

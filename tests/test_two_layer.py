@@ -1,6 +1,7 @@
 """TwoLayerNetwork (spec 003a 1.2-1.4): mirrored init, the schedule's exact erasing steps, the NTK
-linearisation against autograd's jvp, frozen layers of the baselines, every config through the CLI, and
-bad values refused naming the field."""
+linearisation against autograd's jvp, frozen layers of the baselines, the probes' exact readout, the
+plain schedule on the Gaussian mixture, every config through the CLI, and bad values refused naming the
+field."""
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ from featlearn.errors import ConfigError
 from featlearn.experiments.common import build, quiet_lightning
 from featlearn.kernels.smoothed_clamp import smoothed_clamp_reference
 from featlearn.lightning_modules.two_layer import ScheduledGD, TwoLayerNetwork
-from featlearn.theory.two_layer import hinge, theory_schedule
+from featlearn.theory.two_layer import best_linear_classifier, centre_coverage, hinge, theory_schedule
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -133,10 +134,76 @@ def test_hinge():
     assert float(hinge(torch.tensor([2.0, 0.0]), torch.tensor([1.0, 3.0]))) == pytest.approx(1.5)
 
 
+def test_probe_readout_is_the_best_classifier_on_the_training_split(tmp_path):
+    """Two Step (readout: best): the second layer is the L2-SVM of the frozen step-2 hidden layer on the
+    whole training split, solved at step 3 (a full batch), and no later step moves it."""
+    two, dm = _fit("two_step.yaml", tmp_path / "two", "--model.init_args.backend", "torch")
+    train = dm.full("train")
+    with torch.no_grad():
+        h = two.hidden(train["x"])
+    expected = best_linear_classifier(h, train["y"], two.readout_ridge).to(two.a.dtype)
+    assert torch.allclose(two.a.detach(), expected, rtol=1e-5, atol=1e-6)
+    assert two.readout_step() == 3 and not two.tunes_lr3 and dm.full_batch_steps == 3
+    one, _ = _fit("one_step.yaml", tmp_path / "one")
+    assert one.readout_step() == 2 and one.global_step == 5
+    # the old reading: the second layer trained by the stage-3 steps, so the step size matters
+    sched, _ = _fit("two_step.yaml", tmp_path / "sched", "--model.init_args.readout", "schedule")
+    assert sched.readout_step() is None and sched.tunes_lr3 and not torch.allclose(sched.a.detach(), expected)
+
+
+def test_best_linear_classifier_is_the_optimum():
+    """Zero gradient of the squared-hinge objective at the answer; on separable data every margin is ~1 or
+    more with a tiny ridge; the answer beats random perturbations of itself."""
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(300, 7, generator=g, dtype=torch.float64)
+    y = torch.sign(h @ torch.randn(7, generator=g, dtype=torch.float64))
+    for ridge in (1e-8, 1e-2):
+        a = best_linear_classifier(h, y, ridge)
+        r = (1 - y * (h @ a)).clamp_min(0)
+        grad = -2 / len(h) * (h.T @ (y * r)) + 2 * ridge * a
+        assert float(grad.abs().max()) < 1e-9
+
+        def obj(v):
+            return float(((1 - y * (h @ v)).clamp_min(0) ** 2).mean() + ridge * (v @ v))
+        assert all(obj(a) <= obj(a + 1e-3 * torch.randn(7, generator=g, dtype=torch.float64)) for _ in range(20))
+    assert float((y * (h @ best_linear_classifier(h, y, 1e-10))).min()) > 0.99
+
+
+def test_plain_schedule_on_the_gaussian_mixture(tmp_path):
+    """mog.yaml: gamma = 0, every step a stage-3 minibatch step; the centre coverage is reported and the
+    MDS picture has init, 5/8 of the way and the end."""
+    quiet_lightning()
+    cli = build("two_layer/mog.yaml", tmp_path, "mog", "--data.init_args.dim", "12", "--data.init_args.num_train",
+                "256", "--data.init_args.batch_size", "32", "--data.init_args.num_val", "64",
+                "--data.init_args.num_test", "64", "--model.init_args.width", "6", "--trainer.max_steps", "8",
+                "--trainer.accelerator", "cpu", "--trainer.check_val_every_n_epoch", "1")
+    cli.trainer.fit(cli.model, cli.datamodule)
+    model, dm = cli.model, cli.datamodule
+    assert model.schedule_at(1)["stage"] == 3 and model.schedule_at(1)["smoothing"] == 0.0
+    assert dm.full_batch_steps == 0 and model.snapshot_steps() == (5, 8)
+    metrics = model.final_metrics()
+    cover = centre_coverage(model.w.detach().double(), dm.centres)
+    assert metrics["cos_centres_min"] == pytest.approx(float(cover.min()))
+    assert metrics["cos_centres_mean"] == pytest.approx(float(cover.mean()))
+    assert "cos_step1" not in metrics and model.neuron_figure() is not None
+
+
+def test_gamma_zero_needs_the_plain_schedule_and_sigma_a():
+    mog = StructuredParityDataModule(dim=12, num_patterns=4, k=4, labeling="hypercube_mog", num_train=32,
+                                     batch_size=8)
+    with pytest.raises(ConfigError, match="^data.labeling"):
+        TwoLayerNetwork(width=3, steps=5).attach(mog)
+    with pytest.raises(ConfigError, match="^model.sigma_a"):
+        TwoLayerNetwork(width=3, steps=5, schedule="plain").attach(mog)
+    TwoLayerNetwork(width=3, steps=5, schedule="plain", sigma_a=0.1).attach(mog)
+
+
 @pytest.mark.parametrize("kw, field", [
     (dict(width=0), "model.width"), (dict(mode="lazy"), "model.mode"), (dict(schedule="A99"), "model.schedule"),
     (dict(lr3_mult=0.0), "model.lr3_mult"), (dict(reg3_mult=-1.0), "model.reg3_mult"),
     (dict(sigma_w=float("nan")), "model.sigma_w"), (dict(steps=0), "model.steps"),
+    (dict(mode="two_step", schedule="plain"), "model.schedule"), (dict(readout="svm"), "model.readout"),
+    (dict(readout_ridge=0.0), "model.readout_ridge"),
 ])
 def test_bad_values_are_refused_naming_the_field(kw, field):
     with pytest.raises(ConfigError) as info:

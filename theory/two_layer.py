@@ -9,8 +9,11 @@ Everything is a plain function of numbers or tensors; nothing reads a DataModule
   background Bernoulli probability; :func:`data_constants` derives the label probabilities, the
   analytic mean and variance ``sigma~^2`` of the normalisation, and the label correlation ``gamma``.
 * :func:`theory_schedule`: step sizes, regularisation and smoothing of the three stages.
-* :func:`cos_sim`: ``max_i cos(w_i, sum_{j in A} M_j)``; :func:`mds_embedding`: classical MDS of the
-  cosine distances between neuron directions.
+* :func:`cos_sim`: ``max_i cos(w_i, sum_{j in A} M_j)``; :func:`centre_coverage`: per Gaussian centre of
+  the hypercube mixture, the best neuron's cosine; :func:`mds_embedding`: classical MDS of the cosine
+  distances between neuron directions.
+* :func:`best_linear_classifier`: the One / Two Step probes' "best classifier" on frozen hidden features,
+  solved to convergence.
 
 Example:
     >>> c = data_constants("parity", k=5, num_patterns=100, p_o=0.5)
@@ -27,7 +30,7 @@ import math
 import torch
 
 LABELINGS = ("parity", "interval", "hypercube_mog")
-SCHEDULES = ("A20", "A17", "A28")
+SCHEDULES = ("A20", "A17", "A28", "plain")
 
 
 def _binomial(k: int, p: float) -> list[float]:
@@ -130,11 +133,15 @@ def theory_schedule(k: int, m: int, gamma: float, sigma_tilde: float, steps: int
       bound), no smoothing.
 
     ``variant="A17"``: ``lr1 = gamma^2 sigma~ / (k m^3)`` and smoothing ``1/k^(3/2)`` (Lemma A.17);
-    ``"A28"``: ``lr1 = gamma^2 p_min sigma~ / (k m^3)``, smoothing ``1/k^(3/2)`` (Theorem A.28). The
+    ``"A28"``: ``lr1 = gamma^2 p_min sigma~ / (k m^3)``, smoothing ``1/k^(3/2)`` (Theorem A.28);
+    ``"plain"``: no feature-learning steps, every step is a stage-3 step (the "typical practice" training
+    of the mixture-of-Gaussians runs, A.7.3, where gamma = 0 leaves steps 1-2 undefined). The
     multipliers scale ``lr1``, the stage-1/2 smoothing, ``lr3`` and ``lambda`` (the experiments of the
     paper do not print their values, spec 1.3).
     """
-    if variant == "A20":
+    if variant == "plain":
+        lr1, smooth = 0.0, 0.0
+    elif variant == "A20":
         lr1, smooth = gamma ** 2 * sigma_tilde ** 2 / (k * m ** 3), 1 / k ** 2
     elif variant == "A17":
         lr1, smooth = gamma ** 2 * sigma_tilde / (k * m ** 3), 1 / k ** 1.5
@@ -166,6 +173,65 @@ def cos_sim(w: torch.Tensor, direction: torch.Tensor) -> torch.Tensor:
     """
     norms = w.norm(dim=1) * direction.norm()
     return torch.where(norms > 0, (w @ direction) / norms.clamp_min(1e-300), torch.zeros_like(norms)).max()
+
+
+def centre_coverage(w: torch.Tensor, centres: torch.Tensor) -> torch.Tensor:
+    """``[C]``: for each centre ``c`` (a row of ``centres [C, d]``), ``max_i cos(w_i, c)`` over the rows of
+    ``w [n, d]``; the mixture-of-Gaussians runs expect every centre to be covered by some neurons (A.7.3).
+
+    Example:
+        >>> centres = torch.tensor([[1.0, 1.0], [1.0, -1.0], [-1.0, 1.0], [-1.0, -1.0]])
+        >>> [round(v, 4) for v in centre_coverage(torch.tensor([[2.0, 2.0], [0.0, -1.0]]), centres).tolist()]
+        [1.0, 0.7071, 0.0, 0.7071]
+    """
+    u = w / w.norm(dim=1, keepdim=True).clamp_min(1e-30)
+    return ((centres / centres.norm(dim=1, keepdim=True)) @ u.T).max(1).values
+
+
+def best_linear_classifier(h: torch.Tensor, y: torch.Tensor, ridge: float = 1e-8, tol: float = 1e-10,
+                           max_iter: int = 100) -> torch.Tensor:
+    """The weights ``a`` minimising ``mean(max(0, 1 - y <a, h>)^2) + ridge ||a||^2`` (the L2-SVM on the
+    features ``h [n, p]``, labels ``y`` in {-1, +1}, no intercept), by Newton's method on the generalised
+    Hessian with a backtracking line search, in float64, until the Newton decrement is below ``tol``
+    times the objective. A tiny ``ridge`` makes it the near-max-margin separator when one exists.
+
+    Why not the network's own steps: the One / Two Step probes are "the best classifiers" on the frozen
+    hidden layer (A.7.1); plain gradient steps on these features are ill-conditioned (the parity's
+    components sit in directions 1000x weaker than the threshold rule's) and stop far from the optimum.
+
+    Example:
+        >>> h = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
+        >>> a = best_linear_classifier(h, torch.tensor([1.0, -1.0, 1.0]))
+        >>> [round(v, 4) for v in a.tolist()]
+        [2.0, -1.0]
+    """
+    h, y = h.double(), y.double()
+    n, p = h.shape
+    a = torch.zeros(p, dtype=torch.float64, device=h.device)
+    eye = torch.eye(p, dtype=torch.float64, device=h.device)
+
+    def objective(v):
+        r = (1 - y * (h @ v)).clamp_min(0)
+        return float((r * r).mean() + ridge * (v @ v))
+
+    f = objective(a)
+    for _ in range(max_iter):
+        r = 1 - y * (h @ a)
+        act = r > 0
+        ha = h[act]
+        grad = -2 / n * (ha.T @ (y[act] * r[act])) + 2 * ridge * a
+        step = torch.linalg.solve(2 / n * (ha.T @ ha) + 2 * ridge * eye, -grad)
+        decrement = float(-(grad @ step))
+        if decrement <= 2 * tol * max(f, 1e-300):
+            break
+        t = 1.0
+        while True:  # Armijo: the squared hinge is only once differentiable, so a full Newton step may overshoot
+            trial = objective(a + t * step)
+            if trial <= f - 0.25 * t * decrement or t < 1e-12:
+                break
+            t /= 2
+        a, f = a + t * step, trial
+    return a
 
 
 def mds_embedding(w: torch.Tensor, dims: int = 2) -> torch.Tensor:

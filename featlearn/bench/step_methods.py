@@ -24,18 +24,20 @@ from featlearn.datamodules.global_local_patches import GlobalLocalPatchDataModul
 from featlearn.datamodules.hidden_representation import HiddenRepresentationDataModule
 from featlearn.datamodules.multiview import MultiViewDataModule
 from featlearn.datamodules.sparse_coding import SparseCodingDataModule
+from featlearn.datamodules.structured_parity import StructuredParityDataModule
 from featlearn.datamodules.two_feature_patches import TwoFeaturePatchDataModule
 from featlearn.kernels import smoothed_relu
 from featlearn.lightning_modules.contrastive import ContrastiveModule
 from featlearn.lightning_modules.mrp import TeacherStudentMRP
 from featlearn.lightning_modules.noncontrastive import NonContrastiveModule
+from featlearn.lightning_modules.two_layer import TwoLayerNetwork
 from featlearn.lightning_modules.universality import LinearContrastive
 from featlearn.lightning_modules.vit_cl import ViTCL
 from featlearn.lightning_modules.vit_mae import ViTMAE
 from featlearn.theory.contrastive import grown_bias
 from featlearn.theory.noncontrastive import population_loss
 
-METHODS = ("mrp", "contrastive", "noncontrastive", "vit_mae", "vit_cl", "universality")
+METHODS = ("mrp", "contrastive", "noncontrastive", "vit_mae", "vit_cl", "two_layer", "universality")
 SIZES = ("smoke", "tiny")
 
 
@@ -292,6 +294,38 @@ class ViTCLStep(Method):
 
 
 # ------------------------------------------------------------------------------------------------
+# seed 003 ch. 2: two-layer truncated-ReLU network, a stage-3 minibatch step (spec 003a 1.2-1.3)
+# ------------------------------------------------------------------------------------------------
+class TwoLayerStep(Method):
+    """Spec 003a 1.3, stage 3 of Theorem A.20 (598 of Table A.1's 600 steps): a minibatch,
+    ``g(x) = sum_i a_i clamp(<w_i, x> + b_i, 0, 1)`` over the 2m mirrored neurons, the hinge loss, plain GD
+    on a, w, b with the theory's ``eta = k^2 / (T m^(1/3))`` and ``p <- (1 - 2 eta lambda) p - eta grad``
+    (no decay on b). The main job reaches this step after two full-batch steps; the case runs
+    ``schedule: plain``, whose every step is this one. featlearn sums the mirrored halves apart (they cancel
+    exactly at init), and so does this loop."""
+    weights = ("a", "w", "b")
+    shape_keys = ("dim", "num_patterns", "k", "batch_size", "width")
+
+    def state(self, model):
+        th = model.theory_values()
+        return {"a": _trainable(model.a), "w": _trainable(model.w), "b": _trainable(model.b), "lr": th["lr3"],
+                "decay": 2 * th["reg3"], "m": model.width}
+
+    @staticmethod
+    def _forward(a, w, b, x, y, m: int):
+        h = torch.addmm(b, x, w.T).clamp(0, 1)
+        g = h[:, :m] @ a[:m] + h[:, m:] @ a[m:]
+        return (1 - y * g).clamp_min(0).mean()
+
+    def loss(self, state, batch, forward=None):
+        return (forward or self._forward)(state["a"], state["w"], state["b"], batch["x"], batch["y"], state["m"])
+
+    def update(self, state, step):
+        _sgd([state["a"], state["w"]], [state["lr"]] * 2, state["decay"])
+        _sgd([state["b"]], [state["lr"]])
+
+
+# ------------------------------------------------------------------------------------------------
 # seed 003 ch. 7: linear representation, multi-negative logistic loss, projected SGD (spec 003b 2.2)
 # ------------------------------------------------------------------------------------------------
 class UniversalityStep(Method):
@@ -355,6 +389,12 @@ _CL_MODEL = dict(gamma0=0.5, lr=5000.0, temperature=None, weight_decay=0.0, pool
 _UNI_TINY = dict(T=4, s=5, r=10, u=10, sigma_S=1.0, sigma_R=1.0, sigma_U=1.0, task_weights=None, dictionary="haar",
                  target_task=0, label="regression", label_noise=0.25, mode="online", batch_size=2048,
                  steps_per_epoch=100, num_val=16, num_test=4000)
+# configs/two_layer/data_parity.yaml (n = 5,000 instead of 50,000: a step reads one minibatch, and the
+# case builds its data several times) and network.yaml with the experiment's lr3 x1 and lambda x0
+_TWO_LAYER_TINY = dict(dim=500, num_patterns=100, k=5, p_o=0.5, labeling="parity", structure=True, normalize="analytic",
+                       dtype="float32", mode="fixed", batch_size=1000, num_train=5000, num_val=16, num_test=16)
+_TWO_LAYER_MODEL = dict(width=300, mode="network", schedule="plain", lr3_mult=1.0, reg3_mult=0.0, steps=600,
+                        backend="auto")
 _UNI_MODEL = dict(mode="universal", loss="theory", lr=0.5, optimizer="sgd", init_scale=0.01, probe_repeats=10, seed=0)
 
 
@@ -385,6 +425,11 @@ def method(name: str, size: str) -> list[Method]:
     if name == "vit_cl":
         data = dict(_VIT_TINY, **_VIT_SMOKE, K=4) if smoke else dict(_VIT_TINY, K=8, d=512)
         return [ViTCLStep("vit_cl", torch.float32, 10, GlobalLocalPatchDataModule, data, ViTCL, _CL_MODEL, ("Q",))]
+    if name == "two_layer":
+        data = dict(_TWO_LAYER_TINY, dim=24, num_patterns=12, k=3, batch_size=32, num_train=64) if smoke \
+            else _TWO_LAYER_TINY
+        return [TwoLayerStep("two_layer", torch.float32, 50, StructuredParityDataModule, data, TwoLayerNetwork,
+                             dict(_TWO_LAYER_MODEL, width=8) if smoke else _TWO_LAYER_MODEL, ("a", "w", "b"))]
     if name == "universality":
         data = dict(_UNI_TINY, T=2, s=2, r=4, u=2, batch_size=64, num_test=16) if smoke else _UNI_TINY
         return [UniversalityStep("universality", torch.float32, 25, HiddenRepresentationDataModule, data,

@@ -26,7 +26,9 @@ contrastive: configs/contrastive/random_mask.yaml + data_tiny.yaml; non-contrast
 with_head_population.yaml at d = 100; non-contrastive sample mode: with_head.yaml's d = 100, P = 32 with a
 fixed full batch of N = 1024 samples, a CPU-feasible size: the config's 4096 fresh samples per step cost ~8 s
 of sampling per step on 2 cores; seed 002: configs/vit/mae.yaml and cl.yaml with data_p256_pos.yaml, MAE on
-its CPU default, the structured path; seed 003 ch. 7: configs/universality/universal.yaml + data_tiny.yaml),
+its CPU default, the structured path; seed 003 ch. 2: a stage-3 step of configs/two_layer/network.yaml on
+data_parity.yaml, B = 1000, d = 500, 2m = 600, through ``schedule: plain`` whose every step is a stage-3
+step; seed 003 ch. 7: configs/universality/universal.yaml + data_tiny.yaml),
 ``smoke`` = a few-second version of each for CI.
 
 This module is the harness glue (the Trainer clock that interleaves the variants, the float64 one-step
