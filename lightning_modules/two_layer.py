@@ -365,6 +365,15 @@ class TwoLayerNetwork(FeatureLearningModule):
     # --- Lightning hooks ------------------------------------------------------------------------
     def on_fit_start(self) -> None:
         self.total_steps()  # refuse a schedule without T before the first step
+        trainer = self.trainer
+        strategy = trainer.strategy
+        if (self.mode in _FROZEN_AFTER and trainer.world_size > 1 and hasattr(strategy, "_ddp_kwargs")
+                and not strategy._ddp_kwargs.get("find_unused_parameters", False)):
+            # DDP waits for a gradient of every parameter it was built with; a layer frozen mid-run sends none
+            raise ConfigError("trainer.strategy", f"ddp_find_unused_parameters_true for mode {self.mode} on "
+                                                  f"several processes (its first layer freezes after step "
+                                                  f"{_FROZEN_AFTER[self.mode]}, and plain DDP then waits for "
+                                                  f"its gradients)", strategy.__class__.__name__)
 
     def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:
         # the schedule's step sizes and decays, set before the closure runs the forward: a frozen layer's

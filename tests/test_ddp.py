@@ -251,3 +251,23 @@ def test_two_layer_validation_accuracy_is_the_whole_splits(tmp_path):
     single = _fit_logged(tmp_path, config, overrides, devices=1, batch_size=2 * batch, prefix="val/")
     assert "val/acc" in single, sorted(single)
     assert double["val/acc"] == pytest.approx(single["val/acc"], abs=1e-6)
+
+
+def test_two_layer_probe_needs_find_unused_parameters_and_then_matches_one_process(tmp_path, monkeypatch):
+    """Two Step freezes its first layer after step 2 and solves its readout on the gathered hidden layer of
+    every rank at step 3: under plain DDP (which waits for the frozen layer's gradients) the run is refused
+    before the first step, naming trainer.strategy; with ddp_find_unused_parameters_true it ends with the
+    one-process weights (the readout, an L2-SVM solved at ridge 1e-8, amplifies float32 rounding of the
+    hidden layer to ~1e-4 of its scale; the first layer agrees to float32 rounding)."""
+    overrides = CASES["two_layer"][1]
+    monkeypatch.setitem(CASES, "two_step", ("two_layer/two_step.yaml", overrides, 16, 16, torch.float32))
+    with pytest.raises(AssertionError, match="error: trainer.strategy: must be ddp_find_unused_parameters_true"):
+        fit(tmp_path / "plain", "two_step", devices=2, batch_size=16)
+    monkeypatch.setattr(sys.modules[__name__], "COMMON",
+                        [("ddp_find_unused_parameters_true" if c == "ddp" else c) for c in COMMON])
+    double = fit(tmp_path, "two_step", devices=2, batch_size=16)
+    single = fit(tmp_path, "two_step", devices=1, batch_size=32)
+    for key, rtol in (("w", 1e-5), ("b", 1e-5), ("a", 1e-3)):
+        atol = rtol * float(single[key].abs().max())
+        torch.testing.assert_close(double[key], single[key], rtol=rtol, atol=atol, msg=lambda m: f"{key}: {m}")
+    assert not torch.equal(single["a"], torch.zeros_like(single["a"]))
