@@ -354,6 +354,7 @@ class TwoLayerNetwork(FeatureLearningModule):
         """CosSim at init, after steps 1 and 2 and at the end, the last validation accuracy, and on the
         Gaussian mixture the worst and mean centre coverage of the final first layer."""
         names = ("cos_init", "cos_step1", "cos_step2", "cos_final")
+        self.cos_stages[3] = self.cos()  # the weights now: a run may end before its last scheduled step
         out = {n: float(v) for n, v in zip(names, self.cos_stages.tolist()) if not math.isnan(v)}
         if hasattr(self, "centres"):
             cover = centre_coverage(self.first_layer().double(), self.centres.double())

@@ -2,8 +2,7 @@
 (parity, d = 100, D = 100, k = 5, m = 50, n = 4,000, T = 150, seed 0, the experiment's lr3 grid chosen on
 validation accuracy for the methods that take stage-3 steps): the network's neurons align with
 sum_A M_j after two steps (CosSim > 0.99); the best classifier on the step-2 features (Two Step) fits the
-parity while the step-1 features are useless (the paper's ~100% vs ~52%); and the network beats the fixed
-features (NTK, RF) on test accuracy.
+parity (the paper's ~100%); and the network beats the fixed features (NTK, RF) on test accuracy.
 
 Measured (one thread, this size, the grid x{0.01, 0.1, 1, 10, 100}; seeds 0 / 1 / 2 / 3 / 4): Two Step
 test 99.9 / 100.0 / 100.0%, One Step 50.5 / 50.4 / 50.5%; Network 80.4 / 82.1 / 84.8 / 81.1 / 76.1%
@@ -40,7 +39,7 @@ def _best(label: str, tmp_path: Path) -> dict:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     root = tmp_path_factory.mktemp("two_layer_headline")
-    return {label: _best(label, root) for label in ("Network", "NTK", "RF", "One Step", "Two Step")}
+    return {label: _best(label, root) for label in ("Network", "NTK", "RF", "Two Step")}
 
 
 def test_neurons_align_with_the_relevant_patterns(results):
@@ -48,11 +47,12 @@ def test_neurons_align_with_the_relevant_patterns(results):
     assert results["RF"]["cos"] < 0.5              # random features stay where they started
 
 
-def test_step_two_features_fit_the_parity_and_step_one_features_do_not(results):
-    """Lemma A.17: a linear classifier on the step-2 hidden layer has zero loss; the step-1 layer is
-    nearly constant on the data (eta^(1) ~ 1e-8). Margins: 99.9% measured against 99, 50.5% against 60."""
+def test_step_two_features_fit_the_parity(results):
+    """Lemma A.17: a linear classifier on the step-2 hidden layer has zero loss (99.9% measured against 99).
+    Nothing is asserted of One Step: its step-1 features vary by ~1e-8 across samples, so the ridge-1e-8
+    L2-SVM on float32 features is a constant predictor (~50%), whatever the features hold; a scale-free
+    classifier on float64 features reaches ~83% at this size (README, chapter 2)."""
     assert results["Two Step"]["test"] > 99.0 and results["Two Step"]["train"] > 99.0
-    assert results["One Step"]["test"] < 60.0
     assert results["Two Step"]["test"] > max(results["NTK"]["test"], results["RF"]["test"]) + 15.0
 
 
