@@ -157,8 +157,7 @@ class TwoLayerNetwork(FeatureLearningModule):
         self.init_std = (sigma_w, sigma_b, sigma_a)
         self.backend, self.precision = backend, input_precision
         self.snapshots: dict[str, torch.Tensor] = {}
-        # torchmetrics reduces sums and counts over ranks: the accuracy of the whole split under DDP, g = 0
-        # counted wrong as in :meth:`accuracy` (the mirrored init's g is 0 everywhere)
+        # torchmetrics reduces sums and counts over ranks: the accuracy of the whole split under DDP
         self.split_accuracy = torch.nn.ModuleDict({"val": MeanMetric(), "test": MeanMetric()})
         self.automatic_optimization = True
 
@@ -295,10 +294,14 @@ class TwoLayerNetwork(FeatureLearningModule):
             weight = torch.where(y > 0, torch.full_like(y, pos), torch.full_like(y, neg))
         return hinge(y * g, weight)
 
+    def correct(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """``[B]`` whether ``sign(g(x)) == y`` (g = 0 counts as wrong: the mirrored init's g is 0 everywhere)."""
+        return (self(x) * y) > 0
+
     @torch.no_grad()
     def accuracy(self, x: torch.Tensor, y: torch.Tensor, chunk: int = 10000) -> float:
-        """Fraction of ``sign(g(x)) == y`` (g = 0 counts as wrong), in chunks of ``chunk`` samples."""
-        right = sum(int(((self(x[i:i + chunk]) * y[i:i + chunk]) > 0).sum()) for i in range(0, len(x), chunk))
+        """Fraction of :meth:`correct` samples, in chunks of ``chunk`` samples."""
+        right = sum(int(self.correct(x[i:i + chunk], y[i:i + chunk]).sum()) for i in range(0, len(x), chunk))
         return right / len(x)
 
     # --- metrics --------------------------------------------------------------------------------
@@ -421,8 +424,7 @@ class TwoLayerNetwork(FeatureLearningModule):
         return self.a.sum() * 0.0
 
     def finish_step(self, step: int) -> None:
-        """Record CosSim after steps 1 and 2, on the theory-metric steps and at the last step, and the MDS
-        snapshots."""
+        """Record CosSim after steps 1 and 2 (the final one is :meth:`final_metrics`'), and the MDS snapshots."""
         if step in (1, 2) and self.mode != "ntk" and self.schedule_kind != "plain":
             self.cos_stages[step] = self.cos()
         snaps = self.snapshot_steps()
@@ -432,12 +434,10 @@ class TwoLayerNetwork(FeatureLearningModule):
                 figure = self.neuron_figure()
                 if figure is not None:
                     self.log_figure("neurons/mds", figure)
-        if self.theory_due() or step == self.total_steps():  # a float64 copy of w and a host sync: not every step
-            self.cos_stages[3] = self.cos()
 
     def _log_accuracy(self, batch, split: str) -> None:
         metric = self.split_accuracy[split]
-        metric.update(((self(batch["x"]) * batch["y"]) > 0).double())
+        metric.update(self.correct(batch["x"], batch["y"]).double())
         self.log(f"{split}/acc", metric, on_epoch=True, on_step=False)
 
     def validation_step(self, batch, batch_idx):
