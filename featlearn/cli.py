@@ -6,6 +6,7 @@ Usage:
     lightning validate --config ... --ckpt_path path/to/last.ckpt
     featlearn bench op|step ...                                            # featlearn/bench
     featlearn profile --config configs/mrp/teacher_student.yaml --steps 10   # featlearn/profile.py
+    featlearn gpu compile|check|wheels ...                                   # featlearn/gpu
 
 Every run gets a :class:`~featlearn.callbacks.DivergenceGuard`, a
 :class:`~featlearn.callbacks.HeatmapLogger` (``--heatmap.every_n_steps``) and a
@@ -244,6 +245,11 @@ def main(args=None) -> None:
         from featlearn.bench.cli import main as bench_main
 
         bench_main(argv[1:])
+        return
+    if argv[:1] == ["gpu"]:  # GPU readiness: offline sm_90 compile, the prepared GPU check, wheels (featlearn/gpu)
+        from featlearn.gpu.cli import main as gpu_main
+
+        gpu_main(argv[1:])
         return
     if argv[:1] == ["profile"]:  # a torch.profiler trace of a few steps of a config (featlearn/profile.py)
         from featlearn.profile import main as profile_main

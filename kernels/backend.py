@@ -174,22 +174,71 @@ def grouped_tile(pid, n_rows, n_cols, GROUP: tl.constexpr):
     return first + (pid % per_group) % size, (pid % per_group) // size
 
 
-def autotune_configs(names: tuple[str, ...], gpu_tiles, interpreter_tiles: tuple[int, ...]) -> list:
+def autotune_configs(names: tuple[str, ...], gpu_tiles, interpreter_tiles: tuple[int, ...], gpu: bool = False) -> list:
     """The config list for ``triton.autotune``.
 
     On a GPU one ``triton.Config`` per row of ``gpu_tiles`` (block sizes for ``names``, then ``num_warps``
     and ``num_stages``); under ``TRITON_INTERPRET=1`` only ``interpreter_tiles``: autotune does not
     benchmark a single config (the interpreter would run every candidate in Python), and the
-    interpreter tests see fixed small tiles that exercise the masks on odd shapes.
+    interpreter tests see fixed small tiles that exercise the masks on odd shapes. ``gpu=True``: the GPU
+    configs in any case (what the offline compile check builds).
 
     Example:
         >>> configs = autotune_configs(("BLOCK_N",), [(64, 4, 3), (128, 8, 3)], (8,))
         >>> len(configs) == (1 if interpreting() else 2)
         True
     """
-    if interpreting():
+    if interpreting() and not gpu:
         return [triton.Config(dict(zip(names, interpreter_tiles)))]
     return [triton.Config(dict(zip(names, t[:-2])), num_warps=t[-2], num_stages=t[-1]) for t in gpu_tiles]
+
+
+TILE_MODES = ("search", "pinned")
+
+
+def tile_mode() -> str:
+    """``FEATLEARN_TILES``: ``search`` (default: the autotuner times every config that fits the call) or
+    ``pinned`` (the first config that fits, no timing: a GPU session too short for the full search)."""
+    mode = os.environ.get("FEATLEARN_TILES", "search")
+    if mode not in TILE_MODES:
+        raise ConfigError("FEATLEARN_TILES", f"one of {TILE_MODES}", mode)
+    return mode
+
+
+def autotune(names: tuple[str, ...], gpu_tiles, interpreter_tiles: tuple[int, ...], key: list[str], fits=None):
+    """``triton.autotune`` over :func:`autotune_configs`, keyed on ``key`` (name the shapes that change
+    the best tile, not the batch size: train, validation and test batches then share one search).
+
+    ``fits(config_kwargs, args) -> bool`` drops the configs that cannot serve a call (``args``: the
+    launch's arguments by name, constexprs included), e.g. tiles that spill registers in float64; the
+    first row of ``gpu_tiles`` that fits must serve every call. Under ``FEATLEARN_TILES=pinned`` only that
+    first fitting config runs. The returned autotuner keeps ``gpu_configs`` and ``fits`` for the offline
+    compile check (``featlearn gpu compile``), which compiles exactly the configs a call may pick.
+
+    Example:
+        >>> @autotune(("BLOCK",), [(64, 4, 3), (128, 8, 3)], (16,), key=["N"])
+        ... @triton.jit
+        ... def _copy(x_ptr, y_ptr, N, BLOCK: tl.constexpr):
+        ...     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ...     tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=offs < N), mask=offs < N)
+        >>> [c.kwargs["BLOCK"] for c in _copy.gpu_configs]
+        [64, 128]
+    """
+    gpu_configs = autotune_configs(names, gpu_tiles, interpreter_tiles, gpu=True)
+
+    def prune(configs, nargs, **kwargs):
+        args = {**nargs, **kwargs}
+        kept = [c for c in configs if fits is None or fits(c.kwargs, args)]
+        if not kept:
+            raise ValueError(f"no autotune config of {names} fits this call; the tile list needs a smaller tile")
+        return kept[:1] if tile_mode() == "pinned" else kept
+
+    def decorate(fn):
+        tuned = triton.autotune(configs=autotune_configs(names, gpu_tiles, interpreter_tiles), key=key,
+                                prune_configs_by={"early_config_prune": prune})(fn)
+        tuned.gpu_configs, tuned.fits, tuned.prune_for_call = gpu_configs, fits, prune
+        return tuned
+    return decorate
 
 
 def tile_grid(*dims: tuple[int, str] | int):

@@ -1,0 +1,3 @@
+from featlearn.gpu.cli import main
+
+main()
