@@ -5,6 +5,11 @@ PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+VENV36 := .venv-triton36
+COMPILE_OUT ?= runs/gpu-compile
+KERNEL_TESTS := tests/test_soft_threshold.py tests/test_smoothed_clamp.py tests/test_patch_activation_sum.py \
+	tests/test_masked_attention.py tests/test_bn_cosine_loss.py tests/test_activations.py tests/test_kernel_template.py \
+	tests/test_gpu_compile.py tests/test_int32_offsets.py
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 # PyTorch's own index of CPU wheels, used only when no local CPU wheel is found (pip's find-links).
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
@@ -14,7 +19,7 @@ else
 INSTALL_TORCH := $(PY) -m pip install -q torch==2.13.0+cpu || $(PY) -m pip install -q torch==2.13.0+cpu --index-url $(TORCH_CPU_INDEX)
 endif
 
-.PHONY: experiment test test-all contrastive noncontrastive vit two-layer universality large-k profile bench tensorboard clean
+.PHONY: experiment test test-all compile-check triton36-check gpu-tests-dry contrastive noncontrastive vit two-layer universality large-k profile bench tensorboard clean
 
 experiment: $(STAMP)  ## the main job: MRP pretrain -> fine-tune vs supervised learning (seed 000)
 	$(PY) -m featlearn.experiments.mrp --grid --out runs/mrp
@@ -24,6 +29,18 @@ test: $(STAMP)  ## the default test suite (< 15 minutes on 2 cores)
 
 test-all: $(STAMP)  ## also the long statistical checks
 	$(PY) -m pytest -q -m "slow or not slow"
+
+compile-check: $(STAMP)  ## every Triton kernel built offline for sm_90 (no GPU): registers, spills, shared memory
+	$(VENV)/bin/featlearn gpu compile --out $(COMPILE_OUT)
+
+# The GPU machines run triton 3.6: a second environment (torch 2.13 CPU, triton 3.6.0) builds every kernel
+# for sm_90 with it and runs the kernels' interpreter tests under it.
+triton36-check: $(VENV36)/.installed  ## the sm_90 compile check and the kernel tests under triton 3.6.0
+	$(VENV36)/bin/featlearn gpu compile --out $(COMPILE_OUT)
+	$(VENV36)/bin/python -m pytest -q $(KERNEL_TESTS)
+
+gpu-tests-dry: $(STAMP)  ## the GPU tests (tests/gpu) on the CPU through the interpreter at tiny sizes
+	FEATLEARN_GPU_DRY=1 $(PY) -m pytest -q -m gpu tests/gpu
 
 contrastive: $(STAMP)  ## seed 001: contrastive learning with vs without RandomMask
 	$(PY) -m featlearn.experiments.contrastive
@@ -53,6 +70,14 @@ bench: $(STAMP)  ## op and training-step benchmarks at the CPU sizes (benchmarks
 tensorboard: $(STAMP)
 	$(VENV)/bin/tensorboard --logdir runs
 
+$(VENV36)/.installed: pyproject.toml
+	test -x $(VENV36)/bin/python || $(PYTHON) -m venv $(VENV36)
+	$(VENV36)/bin/python -m pip install -q --upgrade pip
+	$(VENV36)/bin/python -m pip install -q torch==2.13.0+cpu || $(VENV36)/bin/python -m pip install -q torch==2.13.0+cpu --index-url $(TORCH_CPU_INDEX)
+	$(VENV36)/bin/python -m pip install -q triton==3.6.0 -e ".[test]"
+	$(VENV36)/bin/python -c "import triton, sys; sys.exit(0 if triton.__version__ == '3.6.0' else 'expected triton 3.6.0')"
+	touch $@
+
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
@@ -62,4 +87,26 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 clean:
-	rm -rf $(VENV) runs lightning_logs
+	rm -rf $(VENV) $(VENV36) runs lightning_logs
+
+# ------------------------------------------------------------------------------------------------
+# GPU readiness (docs/gpu.md). gpu-wheels runs where the package registry is; gpu-check-install and
+# gpu-check run on the lent GPU machine with its own python3 (override: PYTHON=...), no .venv, no registry.
+GPU_SITE ?= /tmp/featlearn-gpu/site
+PART ?= 1
+OUT ?= runs/gpu-check
+.PHONY: gpu-wheels gpu-check-install gpu-check gpu-check-dry
+
+gpu-wheels: $(STAMP)  ## (registry) the wheels the GPU machine lacks (jsonargparse[signatures]) into .whl/
+	$(PY) -m featlearn.gpu wheels
+
+gpu-check-install: PYTHON = python3
+gpu-check-install:  ## (GPU machine) .whl/*.whl and featlearn (symlinks to the tree) into $(GPU_SITE)
+	$(PYTHON) featlearn/gpu/wheels.py --install $(GPU_SITE)
+
+gpu-check: PYTHON = python3
+gpu-check: gpu-check-install  ## (GPU machine) part PART (1 or 2) of the prepared check into OUT, <= 5 minutes
+	PYTHONPATH=$(GPU_SITE) PYTHONSAFEPATH=1 $(PYTHON) -m featlearn.gpu check $(OUT) --part $(PART)
+
+gpu-check-dry: $(STAMP)  ## the check's CPU dry mode: both parts, stand-ins for CUDA (~2-3 min on 2 cores)
+	rm -rf runs/gpu-check-dry && $(PY) -m featlearn.gpu check runs/gpu-check-dry --dry

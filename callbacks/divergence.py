@@ -1,22 +1,23 @@
 """Stop a run that blows up or turns NaN/inf, naming the step, the quantity and the fix to try."""
 import math
+import weakref
 from collections import deque
 
 import lightning as L
 import torch
 
-from featlearn.errors import DivergenceError
+from featlearn.errors import ConfigError, DivergenceError
 
 QUANTITIES = ("loss", "weight_norm")
+_HEAD = 4  # each buffered step: [first loss value, loss finite, |loss|, weight norm, parameter norms.., metrics..]
 
 
 class DivergenceGuard(L.Callback):
-    """Raise :class:`~featlearn.errors.DivergenceError` as soon as training diverges.
+    """Raise :class:`~featlearn.errors.DivergenceError` when training diverges.
 
     Two kinds of divergence:
 
-    * **non-finite**: the loss is checked before backward (so that step never reaches the weights),
-      logged metrics and parameters after each step;
+    * **non-finite**: the loss, a logged metric or a parameter is NaN/inf;
     * **blow-up**: a watched quantity (``|loss|``, or the global norm of the trainable parameters) is
       more than ``growth`` times its smallest value over the previous ``window`` steps. Each method sets
       its defaults in ``blowup_factors`` (``None``: not watched); ``loss_growth`` / ``weight_growth``
@@ -29,14 +30,37 @@ class DivergenceGuard(L.Callback):
 
         lightning fit --config CONFIG --ckpt_path .../last.ckpt --model.init_args.lr SMALLER
 
+    **When it looks.** Each step's checks are reduced on the device to a few numbers (loss, weight norm,
+    per-parameter norms, logged metrics) and kept there: a step makes no host sync, so the GPU queue never
+    drains for the guard. Every ``check_every_n_steps`` steps (``None``: the trainer's
+    ``log_every_n_steps``, when Lightning reads the metrics anyway), before any checkpoint save, while a
+    save is postponed, and at the end of training, the kept steps are read in one transfer (and, on
+    several devices, their verdicts reduced once) and judged in order, each against the steps before it,
+    exactly as if it had been judged at its own step; the message names the step where the divergence
+    began, not the one where it was read. The trade-off of an interval above 1: the run goes on for up to
+    ``check_every_n_steps - 1`` steps after it diverged, and a NaN/inf loss's update reaches the weights
+    (it is not stopped before backward). No checkpoint is ever saved after a diverged step (every save
+    reads the kept steps first, and refuses), so the checkpoint the message names still predates it. With
+    ``check_every_n_steps=1`` the loss is checked before backward, so that step never reaches the weights,
+    at the price of two host syncs per step.
+
     Example:
         >>> trainer = L.Trainer(callbacks=[DivergenceGuard(weight_growth=10.0)])  # doctest: +SKIP
     """
 
-    def __init__(self, loss_growth: float | None = None, weight_growth: float | None = None, window: int = 20):
+    def __init__(self, loss_growth: float | None = None, weight_growth: float | None = None, window: int = 20,
+                 check_every_n_steps: int | None = None):
+        every = check_every_n_steps
+        if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+            raise ConfigError("divergence.check_every_n_steps", "an integer >= 1 or null", check_every_n_steps)
         self.loss_growth, self.weight_growth, self.window = loss_growth, weight_growth, window
+        self.check_every_n_steps = check_every_n_steps
         self.history: deque = deque(maxlen=window)   # (step, {quantity: value}) of the previous steps
         self.suspect = False
+        self._pending: list = []        # (meta, device tensor) of the steps not read yet
+        self._loss = None               # this step's (first loss value, loss finite) on the device
+        self._loss_step = None          # the global step its loss was computed at
+        self._trainer = None            # weak reference, to read the pending steps before a state_dict
 
     def factors(self, pl_module) -> dict[str, float]:
         """The growth factor of each watched quantity: this guard's settings, else the method's defaults."""
@@ -45,64 +69,218 @@ class DivergenceGuard(L.Callback):
         out = {q: chosen[q] if chosen[q] is not None else defaults.get(q) for q in QUANTITIES}
         return {q: f for q, f in out.items() if f is not None}
 
+    def interval(self, trainer) -> int:
+        """Steps between two reads of the kept checks."""
+        n = self.check_every_n_steps
+        return max(1, int(n if n is not None else (getattr(trainer, "log_every_n_steps", None) or 1)))
+
+    # --- hooks ------------------------------------------------------------------------------------
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        self._trainer = weakref.ref(trainer)
+
     def on_train_start(self, trainer, pl_module) -> None:
+        self._trainer = weakref.ref(trainer)
+        self._pending, self._loss = [], None
         if not self.history:  # the initial weights are the first reference: a first step can blow up too
             self.history.append((trainer.global_step, {"loss": 0.0, "weight_norm": float(_weight_norm(pl_module))}))
 
     def on_before_backward(self, trainer, pl_module, loss: torch.Tensor) -> None:
-        if not bool(torch.isfinite(loss).all()):
-            self._stop(trainer, f"train loss is {float(loss.flatten()[0])}",
-                       "The step was not applied. " + _checkpoint_note(trainer))
+        if self.interval(trainer) == 1:  # read now: the step is never applied
+            if not bool(torch.isfinite(loss).all()):
+                self._stop(trainer.global_step, trainer.current_epoch, f"train loss is {float(loss.flatten()[0])}",
+                           "The step was not applied. " + _checkpoint_note(trainer))
+            return
+        loss = loss.detach()
+        first, finite = loss.flatten()[0].to(torch.float64), torch.isfinite(loss).all()
+        if self._loss is None:
+            self._loss, self._loss_step = (first, finite), trainer.global_step
+        else:  # several backward passes in one step: keep the first non-finite one
+            kept, ok = self._loss
+            self._loss = (torch.where(ok, first, kept), ok & finite)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        metrics = [v for v in trainer.callback_metrics.values() if torch.is_tensor(v) and v.numel() == 1]
-        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
-        # one host sync per step: every check is reduced to a few numbers on the device first
-        values = torch.stack([
-            loss.detach().abs().reshape(()).to(torch.float64) if torch.is_tensor(loss) else torch.zeros((), dtype=torch.float64),
-            _weight_norm(pl_module),
-            torch.stack([torch.isfinite(m.detach()).all() for m in metrics]).all().to(torch.float64)
-            if metrics else torch.ones((), dtype=torch.float64),
-        ]).tolist()
-        current = {"loss": values[0], "weight_norm": values[1]}
-        reason = None
-        if values[2] != 1.0:
-            name = next(n for n, v in trainer.callback_metrics.items()
-                        if torch.is_tensor(v) and v.numel() == 1 and not torch.isfinite(v).all())
-            reason = f"metric '{name}' is {float(trainer.callback_metrics[name])}"
-        elif not math.isfinite(current["weight_norm"]):
-            name = next(n for n, p in pl_module.named_parameters() if not torch.isfinite(p).all())
-            reason = f"parameter '{name}' is not finite"
-        suspect = False
-        for quantity, factor in self.factors(pl_module).items():
-            past = [(v[quantity], s) for s, v in self.history if v[quantity] > 0]
-            if reason is None and past:
-                smallest, at = min(past)
-                ratio = current[quantity] / smallest
-                if ratio > factor:
-                    reason = (f"{quantity.replace('_', ' ')} {current[quantity]:.3g} is {ratio:.3g}x its smallest "
-                              f"value over the last {len(self.history)} steps ({smallest:.3g} at step {at}); "
-                              f"the limit is {factor:g}x (divergence.{quantity.split('_')[0]}_growth)")
-                suspect |= ratio > math.sqrt(factor)
-        diverged, self.suspect = reason is not None, suspect
-        if trainer.world_size > 1:  # one reduction for both decisions: any rank that diverged or is suspect counts
-            flags = torch.tensor([diverged, suspect], dtype=torch.float32, device=pl_module.device)
-            diverged, self.suspect = (v > 0 for v in trainer.strategy.reduce(flags, reduce_op="sum").tolist())
-        if diverged:
-            self._stop(trainer, reason or "another process diverged", _checkpoint_note(trainer))
-        self.history.append((trainer.global_step, current))
+        self._push(trainer, pl_module, outputs)
+        step = trainer.global_step
+        if step % self.interval(trainer) == 0 or any(save_may_fall_due(c, step) for c in trainer.checkpoint_callbacks):
+            self.check_now(trainer, pl_module)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.check_now(trainer, pl_module)
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        """Another error stopped a run whose kept steps had diverged (NaN weights can break the method's
+        own code before the next read): say so under the error. Read locally, without a reduction."""
+        pending, self._pending, self._loss = self._pending, [], None
+        if not pending or isinstance(exception, DivergenceError) or not hasattr(exception, "add_note"):
+            return
+        try:
+            found = self._judge(trainer, pl_module, pending, reduce=False)
+        except Exception:  # a broken device cannot be read: the original error says more
+            return
+        if found is not None:
+            exception.add_note(f"DivergenceGuard: before this error, {found}")
 
     def state_dict(self) -> dict:
+        trainer = self._trainer() if self._trainer is not None else None
+        if self._pending and trainer is not None and trainer.lightning_module is not None:
+            self.check_now(trainer, trainer.lightning_module)  # a checkpoint holds every finished step
         return {"history": list(self.history), "suspect": self.suspect}
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.history = deque(state_dict["history"], maxlen=self.window)
         self.suspect = state_dict["suspect"]
+        self._pending, self._loss = [], None
+
+    # --- the checks ---------------------------------------------------------------------------------
+    def _push(self, trainer, pl_module, outputs) -> None:
+        """Keep this step's checks on the device, without a host sync."""
+        metrics = {n: v for n, v in _callback_metrics(trainer).items() if torch.is_tensor(v) and v.numel() == 1}
+        params = [(n, p) for n, p in pl_module.named_parameters() if p.requires_grad]
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        norms = [torch.linalg.vector_norm(p.detach(), dtype=torch.float64) for _, p in params]
+        norms = torch.stack(norms) if norms else torch.zeros(0, dtype=torch.float64, device=pl_module.device)
+        device = norms.device
+        zero = torch.zeros((), dtype=torch.float64, device=device)
+        first, finite = self._loss if self._loss is not None else (zero, torch.ones((), dtype=torch.bool,
+                                                                                          device=device))
+        head = torch.stack([
+            first.to(device),
+            finite.to(device=device, dtype=torch.float64),
+            loss.detach().abs().reshape(()).to(device=device, dtype=torch.float64) if torch.is_tensor(loss) else zero,
+            torch.linalg.vector_norm(norms) if len(params) else zero,   # = _weight_norm(pl_module)
+        ])
+        parts = [head, norms]
+        if metrics:
+            parts.append(torch.stack([v.detach().reshape(()).to(device=device, dtype=torch.float64)
+                                      for v in metrics.values()]))
+        step = trainer.global_step
+        loss_step = self._loss_step if self._loss is not None else step
+        meta = (step, trainer.current_epoch, loss_step, tuple(n for n, _ in params), tuple(metrics))
+        self._pending.append((meta, torch.cat(parts)))
+        self._loss = self._loss_step = None
+
+    def check_now(self, trainer, pl_module) -> None:
+        """Read the kept steps (one transfer; one reduction across processes) and judge them in order;
+        raise :class:`~featlearn.errors.DivergenceError` at the first that diverged. A no-op when
+        nothing is kept (every process keeps the same steps, so all of them read together)."""
+        pending, self._pending = self._pending, []
+        if not pending:
+            return
+        found = self._judge(trainer, pl_module, pending, reduce=trainer.world_size > 1)
+        if found is not None:
+            raise DivergenceError(found)
+
+    def _judge(self, trainer, pl_module, pending: list, reduce: bool) -> str | None:
+        """The stop message of the first diverged step of ``pending``, else None (the history and the
+        suspect flag then include every step)."""
+        rows = torch.cat([values for _, values in pending]).tolist()  # the one host read
+        factors = self.factors(pl_module)
+        before, judged = list(self.history), []
+        verdicts, flags, start, stopped = [], [], 0, False
+        for meta, values in pending:
+            if stopped:  # the steps after a divergence do not matter
+                verdicts.append((None, meta[0], False))
+                flags.append([1.0, 0.0])
+                continue
+            row = rows[start:start + values.numel()]
+            start += values.numel()
+            reason, at, suspect, current = self._judge_step(meta, row, factors)
+            verdicts.append((reason, at, suspect))
+            flags.append([float(reason is not None), float(suspect)])
+            stopped = reason is not None
+            if not stopped:
+                self.history.append((meta[0], current))
+                judged.append((meta[0], current))
+        if reduce:  # one reduction for all the steps: any process that diverged or is suspect counts
+            flags = trainer.strategy.reduce(torch.tensor(flags, dtype=torch.float32, device=pl_module.device),
+                                            reduce_op="sum").reshape(-1, 2).tolist()
+        for i, ((meta, _), (reason, at, _), (diverged, _)) in enumerate(zip(pending, verdicts, flags)):
+            if diverged > 0:  # the history then ends before that step, as if each step had been read at once
+                self.history = deque(before + judged[:i], maxlen=self.window)
+                return self._message(trainer, at, meta[1], reason or "another process diverged",
+                                     reason is not None and reason.startswith("train loss"), pending[-1][0][0])
+        self.suspect = flags[-1][1] > 0
+        return None
+
+    def _judge_step(self, meta, row: list, factors: dict):
+        """Today's per-step rules on one kept step: (reason or None, the step it names, suspect, values)."""
+        step, _, loss_step, params, metrics = meta
+        first, loss_finite, abs_loss, weight_norm = row[:_HEAD]
+        norms, values = row[_HEAD:_HEAD + len(params)], row[_HEAD + len(params):]
+        current = {"loss": abs_loss, "weight_norm": weight_norm}
+        reason, at = None, step
+        bad_metric = next((i for i, v in enumerate(values) if not math.isfinite(v)), None)
+        if loss_finite != 1.0:
+            reason, at = f"train loss is {first}", loss_step
+        elif bad_metric is not None:
+            reason = f"metric '{metrics[bad_metric]}' is {values[bad_metric]}"
+        elif not math.isfinite(weight_norm):
+            bad = next((params[i] for i, v in enumerate(norms) if not math.isfinite(v)), None)
+            reason = f"parameter '{bad}' is not finite" if bad is not None else f"the weight norm is {weight_norm}"
+        suspect = False
+        for quantity, factor in factors.items():
+            past = [(v[quantity], s) for s, v in self.history if v[quantity] > 0]
+            if reason is None and past:
+                smallest, where = min(past)
+                ratio = current[quantity] / smallest
+                if ratio > factor:
+                    reason = (f"{quantity.replace('_', ' ')} {current[quantity]:.3g} is {ratio:.3g}x its smallest "
+                              f"value over the last {len(self.history)} steps ({smallest:.3g} at step {where}); "
+                              f"the limit is {factor:g}x (divergence.{quantity.split('_')[0]}_growth)")
+                suspect |= ratio > math.sqrt(factor)
+        return reason, at, suspect, current
+
+    def _message(self, trainer, step: int, epoch: int, what: str, loss: bool, read_at: int) -> str:
+        n, late = self.interval(trainer), ""
+        if loss:
+            late = ("Its update was applied (divergence.check_every_n_steps: 1 stops a NaN/inf loss before "
+                    "backward). ")
+        if read_at > step:
+            late += (f"Read at step {read_at} (the guard reads its checks every {n} steps, "
+                     f"divergence.check_every_n_steps, and before each save); no checkpoint was saved in between. ")
+        return (f"training diverged at global step {step} (epoch {epoch}): {what}. {late}"
+                f"{_checkpoint_note(trainer)}")
 
     @staticmethod
-    def _stop(trainer, what: str, note: str) -> None:
-        raise DivergenceError(f"training diverged at global step {trainer.global_step} "
-                              f"(epoch {trainer.current_epoch}): {what}. {note}")
+    def _stop(step: int, epoch: int, what: str, note: str) -> None:
+        raise DivergenceError(f"training diverged at global step {step} (epoch {epoch}): {what}. {note}")
+
+
+def save_may_fall_due(callback, step: int) -> bool:
+    """Whether ``callback`` (a ``ModelCheckpoint``) may save at the end of this step: its step interval
+    falls due, a save waits (postponed while suspect), or it saves by time (then it already syncs every
+    step to agree on the time)."""
+    every = getattr(callback, "_every_n_train_steps", 0) or 0
+    return ((every >= 1 and step % every == 0) or bool(getattr(callback, "_postponed", False))
+            or getattr(callback, "_train_time_interval", None) is not None)
+
+
+def check_guards(trainer) -> None:
+    """Have every :class:`DivergenceGuard` of ``trainer`` read its kept steps now (before a save)."""
+    for callback in trainer.callbacks:
+        if isinstance(callback, DivergenceGuard) and trainer.lightning_module is not None:
+            callback.check_now(trainer, trainer.lightning_module)
+
+
+def _callback_metrics(trainer) -> dict:
+    """``trainer.callback_metrics`` without reading that property, which turns every ``prog_bar`` metric
+    into a Python number (a host sync each): Lightning's stored metrics updated with this step's values,
+    the way the property builds them. The property itself where Lightning's internals differ."""
+    connector, results = getattr(trainer, "_logger_connector", None), getattr(trainer, "_results", None)
+    stored = getattr(connector, "_callback_metrics", None)
+    try:
+        if not isinstance(stored, dict) or getattr(connector, "_first_loop_iter", None) is None:
+            return trainer.callback_metrics
+        out = dict(stored)
+        if results is not None and results.training:
+            for _, metric in results.valid_items():
+                value = results._get_cache(metric, True)
+                if isinstance(value, torch.Tensor):
+                    name, forked = results._forked_name(metric, True)
+                    out[name] = out[forked] = value
+        return out
+    except (AttributeError, TypeError, ValueError):
+        return trainer.callback_metrics
 
 
 def _weight_norm(pl_module) -> torch.Tensor:

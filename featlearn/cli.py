@@ -53,6 +53,7 @@ RUN_FIELDS = {
     "divergence.window": (PositiveInt, ""),
     "divergence.loss_growth": (GrowthFactor | None, ""),
     "divergence.weight_growth": (GrowthFactor | None, ""),
+    "divergence.check_every_n_steps": (PositiveInt | None, "null: trainer.log_every_n_steps"),
 }
 # names Lightning resolves itself from the run's checkpoint callback
 _CKPT_ALIASES = ("last", "best", "hpc")

@@ -51,7 +51,7 @@ from featlearn.errors import ConfigError
 __all__ = ["number_type", "PositiveInt", "NonNegativeInt", "int_at_least", "FiniteFloat", "PositiveFloat",
            "NonNegativeFloat", "OpenUnitInterval", "ClosedUnitInterval", "LeftOpenUnitInterval",
            "RightOpenUnitInterval", "check_args", "accepts", "describe", "check_memory", "available_memory",
-           "format_bytes"]
+           "own_cuda_device", "format_bytes"]
 
 
 def number_type(name: str, base: type, low: float, high: float, low_open: bool, high_open: bool,
@@ -201,12 +201,18 @@ def format_bytes(n: float) -> str:
 
 
 def available_memory(device: str = "cpu") -> tuple[int, str]:
-    """(bytes free now, where that number comes from) on ``device`` (``cpu`` or ``cuda[:i]``)."""
+    """(bytes free now, where that number comes from) on ``device`` (``cpu`` or ``cuda[:i]``).
+
+    A bare ``cuda`` is this process's own GPU (:func:`own_cuda_device`), so that every DDP rank asks
+    about its GPU and none opens a CUDA context on another one (``torch.device("cuda")`` would mean the
+    current device, GPU 0 on every rank until Lightning selects the rank's)."""
     if str(device).startswith("cuda"):
         import torch
 
-        free, _ = torch.cuda.mem_get_info(torch.device(device))
-        return int(free), f"free memory of {device} (torch.cuda.mem_get_info)"
+        index = torch.device(device).index
+        index = own_cuda_device() if index is None else index
+        free, _ = torch.cuda.mem_get_info(index)
+        return int(free), f"free memory of cuda:{index} (torch.cuda.mem_get_info)"
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -215,6 +221,23 @@ def available_memory(device: str = "cpu") -> tuple[int, str]:
     except OSError:
         pass
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "free RAM"
+
+
+def own_cuda_device() -> int:
+    """The index of this process's GPU, without creating a CUDA context on any GPU: the current device
+    once something chose one (Lightning's DDP setup calls ``torch.cuda.set_device``); before that the
+    rank's ``LOCAL_RANK`` (set for every rank by torchrun and Lightning's launcher; Lightning gives
+    local rank i the i-th device when ``trainer.devices`` is a count); else the current device (0).
+    A ``LOCAL_RANK`` beyond the visible GPUs (one GPU per process through ``CUDA_VISIBLE_DEVICES``)
+    falls back to the current device as well."""
+    import torch
+
+    if torch.cuda.is_initialized() and torch.cuda.current_device() != 0:
+        return torch.cuda.current_device()
+    local = os.environ.get("LOCAL_RANK", "").strip()
+    if local.isdigit() and int(local) < torch.cuda.device_count():
+        return int(local)
+    return torch.cuda.current_device()
 
 
 def default_device() -> str:

@@ -152,10 +152,53 @@ def cublas_precision(precision: str):
 # GEMM-like kernels: (output tile rows, cols, reduction tile, GROUP_M, num_warps, num_stages). GROUP_M
 # row tiles sweep the column tiles together (grouped_tile), so each column tile of the second operand is
 # read from HBM once per group and reused from L2 by the group's other programs.
-# The 16-column tiles are for very narrow outputs (spec 004's encoder has R = 2 kernels): a 64-wide tile
+# MMA_TILES serve TF32 dots (tensor cores, accumulators spread over the warps' MMA fragments); the
+# 16-column tiles are for very narrow outputs (spec 004's encoder has R = 2 kernels): a 64-wide tile
 # would spend 32x the needed MMA work there, and 64-row blocks give enough programs to fill the SMs.
-GEMM_TILES = ((128, 128, 32, 8, 8, 3), (128, 128, 64, 8, 8, 3), (128, 64, 32, 8, 4, 4), (64, 128, 32, 8, 4, 4),
-              (64, 64, 32, 8, 4, 4), (128, 128, 32, 1, 8, 3), (64, 16, 64, 8, 4, 3), (128, 16, 64, 8, 4, 3))
+MMA_TILES = ((128, 128, 32, 8, 8, 3), (128, 128, 64, 8, 8, 3), (128, 64, 32, 8, 4, 4), (64, 128, 32, 8, 4, 4),
+             (64, 64, 32, 8, 4, 4), (128, 128, 32, 1, 8, 3), (64, 16, 64, 8, 4, 3), (128, 16, 64, 8, 4, 3))
+# IEEE float32 and float64 dots run on the FMA units: each thread keeps its operand slices of the
+# reduction tile in registers, so these tiles are smaller with short reductions (16). Every MMA tile
+# spills there (sm_90 builds of `featlearn gpu compile --all-configs`: 24-9600 bytes of stack a thread).
+FMA_TILES = ((64, 64, 16, 8, 8, 3), (64, 32, 16, 8, 4, 3), (32, 64, 16, 8, 4, 3), (64, 16, 16, 8, 4, 3),
+             (32, 32, 16, 8, 4, 3))
+# eight warps on a 32 x 32 tile: the patch-sum forward in float64 (three accumulators) builds without a
+# stack frame under triton 3.6 and 3.9 only so (triton 3.6 refuses reduction tiles under 16); GROUP_M 4
+# tells it apart from the four-warp 32 x 32 tile above
+FMA_8_WARP_TILES = ((32, 32, 16, 4, 8, 2),)
+GEMM_TILES = MMA_TILES + FMA_TILES + FMA_8_WARP_TILES
+
+
+def tiles_by_precision(tf32, ieee, fp64, tf32_unaligned=None, sizes=()):
+    """The ``fits`` rule (see :func:`autotune`) of a kernel: the tiles, as block-size tuples (rows of its tile
+    list without warps and stages), a call may use with TF32 dots, IEEE float32 dots (or no dots) and
+    float64; ``tf32_unaligned``: with TF32 dots when one of the ``sizes`` arguments is not a multiple of 16
+    (unaligned rows load element by element and hold more registers). Each list is what the sm_90
+    compile report found spill-free for that kernel at the spec sizes.
+
+    Example:
+        >>> fits = tiles_by_precision(tf32=[(64, 64, 32, 8)], ieee=[(32, 32, 16, 8)], fp64=[(32, 32, 16, 8)])
+        >>> fits({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8}, {"ACC": tl.float32, "PRECISION": "tf32"})
+        True
+        >>> fits({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8}, {"ACC": tl.float64, "PRECISION": "ieee"})
+        False
+    """
+    allowed = {"tf32": set(tf32), "ieee": set(ieee), "fp64": set(fp64),
+               "tf32_unaligned": set(tf32 if tf32_unaligned is None else tf32_unaligned)}
+
+    def fits(config: dict, args: dict) -> bool:
+        kind = "fp64" if args["ACC"] == tl.float64 else args.get("PRECISION", "ieee")  # no dots: ieee
+        if kind == "tf32" and any(args[name] % 16 for name in sizes):
+            kind = "tf32_unaligned"
+        return tuple(config.values()) in allowed[kind]
+    return fits
+
+
+def blocks(tiles) -> list[tuple]:
+    """Block sizes of tile rows (warps and stages dropped), for :func:`tiles_by_precision`."""
+    return [t[:-2] for t in tiles]
+
+
 # the interpreter's tiles: 16-wide blocks so that the tests' odd sizes span several tiles and a partial
 # last group of 2 row tiles
 INTERPRETER_GEMM_TILE = (16, 16, 16, 2)
@@ -269,6 +312,30 @@ def grouped_grid(rows: tuple[int, str], cols: tuple[int, str] | int):
 def interpreting() -> bool:
     """True when Triton runs kernels through its CPU interpreter (tests on machines without a GPU)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _interpreter_scalar_index_fix() -> None:
+    """Triton <= 3.6's interpreter indexes a runtime scalar (``D`` in ``range(0, D, BLOCK_K)``) with
+    ``int(a)`` of its one-element 1-d numpy array, which numpy >= 2.4 refuses ("only 0-dimensional arrays
+    can be converted to Python scalars"); every kernel loop with a runtime bound fails. Triton 3.7+ reads
+    ``int(a.squeeze())`` (triton-lang/triton#9172): do the same where the old line is still there."""
+    import inspect
+
+    from triton.runtime import interpreter
+
+    patch_tensor = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch_tensor is None or "int(self.handle.data))" not in inspect.getsource(patch_tensor):
+        return
+
+    def patched(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    interpreter._patch_lang_tensor = patched
+
+
+if interpreting():
+    _interpreter_scalar_index_fix()
 
 
 def check_backend(backend: str) -> str:

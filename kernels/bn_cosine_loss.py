@@ -64,6 +64,7 @@ Example:
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -72,21 +73,35 @@ import triton.language as tl
 
 from featlearn.errors import ConfigError
 from featlearn.kernels import backend as kb  # kb.new_output: one allocation seam for every op
-from featlearn.kernels.backend import (KernelInputError, acc_dtype, autotune_configs, check_backend,
-                                       check_float_inputs, contiguous, resolve_backend, tile_grid)
+from featlearn.kernels.backend import (KernelInputError, acc_dtype, autotune, check_backend,
+                                       check_float_inputs, contiguous, resolve_backend, tile_grid, tiles_by_precision)
 
 __all__ = ["bn_cosine_loss", "bn_cosine_loss_reference", "bn_column_stats", "BNCosineLossFunction", "OUT_NORMS"]
 
 OUT_NORMS = ("bn", "l2")
 # (BLOCK_N rows, BLOCK_M columns, num_warps, num_stages) of the streaming kernels; the interpreter's
 # 8 x 4 tiles exercise the masks on the tests' odd shapes
-_TILES = ((64, 64, 4, 2), (128, 32, 4, 2), (32, 128, 4, 2), (128, 64, 8, 2), (256, 16, 4, 2))
-_CONFIGS = autotune_configs(("BLOCK_N", "BLOCK_M"), _TILES, (8, 4))
+_TILES = ((64, 64, 4, 2), (128, 32, 4, 2), (32, 128, 4, 2), (128, 64, 8, 2), (256, 16, 4, 2),
+          # for the float64 l2 kernels, whose three row sums per tile row spill on the tiles above
+          (32, 32, 4, 2), (64, 16, 4, 2), (16, 64, 4, 2), (64, 32, 8, 2))
+# What each kernel builds spill-free for sm_90 (`featlearn gpu compile --all-configs`,
+# benchmarks/results/gpu/): the l2 kernels in float64 only on the small tiles (the others spill 380-960
+# bytes), the float32 l2 forward not at 128 x 32 (16 bytes), the bn kernels in float64 not at 128 x 64.
+_LARGE, _SMALL = [t[:2] for t in _TILES[:5]], [t[:2] for t in _TILES[5:]]
+_STATS_FITS = tiles_by_precision(tf32=_LARGE, ieee=_LARGE, fp64=[t for t in _LARGE if t != (128, 64)])
+_BWD_BN_FITS = tiles_by_precision(tf32=_LARGE, ieee=_LARGE, fp64=[t for t in _LARGE if t != (128, 64)])
+_FWD_L2_FITS = tiles_by_precision(tf32=_LARGE, ieee=[t for t in _LARGE if t != (128, 32)], fp64=_SMALL)
+_BWD_L2_FITS = tiles_by_precision(tf32=_LARGE, ieee=_LARGE, fp64=_SMALL)
+_INTERPRETER_TILE = (8, 4)
 # rows one statistics program reduces: fixed, and a multiple of every BLOCK_N, so that the number of
-# partials does not depend on the config autotune picks (16 under the interpreter, 512 on a GPU)
-_STATS_ROWS = 2 * max(c.kwargs["BLOCK_N"] for c in _CONFIGS)
+# partials does not depend on the config autotune picks; the same under the interpreter (whose 8-row tile
+# loops over them), so that the kernel it runs is the one a GPU compiles
+_STATS_ROWS = 2 * max(t[0] for t in _TILES)
 # the merge of the row-block partials: one program per BLOCK_M columns, a loop over the blocks
-_MERGE_CONFIGS = autotune_configs(("BLOCK_M",), ((128, 4, 1), (256, 4, 1), (64, 2, 1)), (4,))
+_MERGE_TILES = ((128, 4, 1), (256, 4, 1), (64, 2, 1))
+# autotune keys: the column count only. N is the batch (train, validation and test batches differ and
+# would each start a search); the tiles stream rows, so N does not change which one is best.
+_streaming = partial(autotune, ("BLOCK_N", "BLOCK_M"), _TILES, _INTERPRETER_TILE)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -96,13 +111,13 @@ _MERGE_CONFIGS = autotune_configs(("BLOCK_M",), ((128, 4, 1), (256, 4, 1), (64, 
 def _bn_cosine_load(p_ptr, z_ptr, rn, rm, N, M, ACC: tl.constexpr):
     """Tiles [rows rn, columns rm] of p and z (zero outside), their mask and offsets."""
     mask = (rn < N)[:, None] & (rm < M)[None, :]
-    offs = rn[:, None] * M + rm[None, :]
+    offs = rn.to(tl.int64)[:, None] * M + rm[None, :]  # N * M can pass 2^31
     f = tl.load(p_ptr + offs, mask=mask, other=0.0).to(ACC)
     g = tl.load(z_ptr + offs, mask=mask, other=0.0).to(ACC)
     return f, g, mask, offs
 
 
-@triton.autotune(configs=_CONFIGS, key=["N", "M"])
+@_streaming(key=["M"], fits=_STATS_FITS)
 @triton.jit
 def _bn_cosine_fwd_stats_kernel(p_ptr, z_ptr, part_ptr, N, M, NPROG, ROWS: tl.constexpr, ACC: tl.constexpr,
                                 BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
@@ -147,7 +162,7 @@ def _bn_cosine_fwd_stats_kernel(p_ptr, z_ptr, part_ptr, N, M, NPROG, ROWS: tl.co
     tl.store(base + 4 * stride, c_a, mask=cmask)
 
 
-@triton.autotune(configs=_MERGE_CONFIGS, key=["N", "M", "NPROG"])
+@autotune(("BLOCK_M",), _MERGE_TILES, (4,), key=["M"])
 @triton.jit
 def _bn_cosine_fwd_merge_kernel(part_ptr, stats_ptr, N, M, NPROG, ROWS: tl.constexpr, BLOCK_M: tl.constexpr):
     """Merge the NPROG row-block partials of each column (Chan's update, float64) into
@@ -181,7 +196,7 @@ def _bn_cosine_fwd_merge_kernel(part_ptr, stats_ptr, N, M, NPROG, ROWS: tl.const
     tl.store(stats_ptr + 4 * M + rm, c_a, mask=cmask)
 
 
-@triton.autotune(configs=_CONFIGS, key=["N", "M", "NEED_DZ"])
+@_streaming(key=["M", "NEED_DZ"], fits=_BWD_BN_FITS)
 @triton.jit
 def _bn_cosine_bwd_bn_kernel(p_ptr, z_ptr, coef_ptr, gout_ptr, dp_ptr, dz_ptr, N, M, NEED_DZ: tl.constexpr,
                              ACC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
@@ -217,7 +232,7 @@ def _bn_cosine_l2_row_sums(p_ptr, z_ptr, rn, N, M, ACC: tl.constexpr, BLOCK_N: t
     return tl.where(rn < N, a, 1.0), tl.where(rn < N, b, 1.0), c
 
 
-@triton.autotune(configs=_CONFIGS, key=["N", "M"])
+@_streaming(key=["M"], fits=_FWD_L2_FITS)
 @triton.jit
 def _bn_cosine_fwd_l2_kernel(p_ptr, z_ptr, loss_ptr, eps: tl.float64, N, M, ACC: tl.constexpr,
                              BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
@@ -229,7 +244,7 @@ def _bn_cosine_fwd_l2_kernel(p_ptr, z_ptr, loss_ptr, eps: tl.float64, N, M, ACC:
     tl.store(loss_ptr + rn, loss.to(loss_ptr.dtype.element_ty), mask=rn < N)
 
 
-@triton.autotune(configs=_CONFIGS, key=["N", "M", "NEED_DZ"])
+@_streaming(key=["M", "NEED_DZ"], fits=_BWD_L2_FITS)
 @triton.jit
 def _bn_cosine_bwd_l2_kernel(p_ptr, z_ptr, dp_ptr, dz_ptr, scale_ptr, eps: tl.float64, N, M,
                              NEED_DZ: tl.constexpr, ACC: tl.constexpr, BLOCK_N: tl.constexpr,

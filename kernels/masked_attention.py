@@ -67,23 +67,30 @@ import triton.language as tl
 
 from featlearn.errors import ConfigError
 from featlearn.kernels import backend as kb  # kb.new_output: the allocation tests poison
-from featlearn.kernels.backend import (KernelInputError, acc_dtype, autotune_configs, check_backend,
-                                       check_float_inputs, contiguous, resolve_backend, resolve_precision, tile_grid)
+from featlearn.kernels.backend import (KernelInputError, acc_dtype, autotune, check_backend, check_float_inputs,
+                                       contiguous, resolve_backend, resolve_precision, tile_grid,
+                                       tiles_by_precision)
 
 __all__ = ["masked_attention", "masked_attention_reference", "MaskedAttentionFunction"]
 
 OP = "masked_attention"
 # (BLOCK_M queries, BLOCK_N keys, BLOCK_D columns of the d and dv loops, num_warps, num_stages). The
 # probabilities (BLOCK_M x BLOCK_N) stay in registers while the output tiles stream through; a wide
-# BLOCK_N halves the O read-modify-writes. Compiled offline for sm_90 (Triton 3.9 and its ptxas), every
-# tile below fits 255 registers a thread, spill-free with TF32 dots except where group sums or the
-# 128-row tiles add pressure; the IEEE (FMA) dots keep operand copies in registers and spill 16-700
-# bytes in most tiles, so the autotuner, which runs per precision, picks among them. The backward holds
-# A and dO V^T at once: smaller tiles.
+# BLOCK_N halves the O read-modify-writes. The backward holds A and dO V^T at once: smaller tiles.
 ATTN_FWD_TILES = ((64, 128, 32, 8, 2), (64, 128, 16, 8, 2), (64, 64, 32, 8, 2), (128, 64, 32, 8, 2),
-                  (128, 128, 16, 8, 2), (64, 64, 64, 8, 2))
+                  (128, 128, 16, 8, 2), (64, 64, 64, 8, 2),
+                  # IEEE float32 dots run on the FMA units and keep operand slices in registers: short d tiles
+                  (32, 128, 16, 8, 2), (64, 32, 16, 4, 2))
 ATTN_BWD_TILES = ((64, 128, 32, 8, 2), (64, 128, 16, 8, 2), (64, 64, 32, 8, 2), (64, 64, 16, 4, 2),
                   (128, 32, 32, 8, 2))
+# What each kernel builds spill-free for sm_90 at the spec sizes (`featlearn gpu compile --all-configs`,
+# benchmarks/results/gpu/): with TF32 dots every forward tile but 128 x 128 (72 bytes of spill), with IEEE
+# float32 two short-d tiles (the others spill 8-1600 bytes), in float64 the two 64-row tiles whose
+# d tile keeps the registers (the rest spill 8-288 bytes); the backward spills in float64 except at 64 x 64 x 32.
+_FWD_FITS = tiles_by_precision(tf32=[t[:3] for t in ATTN_FWD_TILES[:6] if t[:2] != (128, 128)],
+                               ieee=[t[:3] for t in ATTN_FWD_TILES[6:]], fp64=[(64, 128, 16), (64, 64, 32)])
+_BWD_FITS = tiles_by_precision(tf32=[t[:3] for t in ATTN_BWD_TILES], ieee=[t[:3] for t in ATTN_BWD_TILES],
+                               fp64=[(64, 64, 32)])
 # interpreter: 16-wide tiles, so the tests' odd sizes span several query, key and d tiles
 INTERPRETER_ATTN_TILE = (16, 16, 16)
 _NEG_START = tl.constexpr(-1e30)  # running max before the first key: finite, so alpha = exp(m_old - m_new) is never nan
@@ -115,7 +122,7 @@ def _masked_attn_scores(a_ptr, a_rows, m_ok, b_ptr, b_base, rn, n_ok, K, PRECISI
         at = tl.load(a_ptr + a_rows[:, None] * K + kk[None, :], mask=m_ok[:, None] & (kk[None, :] < K), other=0.0)
         bt = tl.load(b_ptr + b_base + rn[None, :] * K + kk[:, None], mask=n_ok[None, :] & (kk[:, None] < K),
                      other=0.0)
-        s = tl.dot(at.to(ACC), bt.to(ACC), s, input_precision=PRECISION)
+        s = tl.dot(at.to(ACC), bt.to(ACC), s, input_precision=PRECISION, out_dtype=ACC)
     return s
 
 
@@ -140,12 +147,12 @@ def _masked_attn_update(o_ptr, o_rows, m_ok, src_ptr, src_base, rn, n_ok, p, alp
         omask = m_ok[:, None] & c_ok[None, :]
         # .cg: read back from L2 what this program stored on the previous key tile (not a stale L1 line)
         o = tl.load(o_ptr + offs, mask=omask & (n0 > 0), other=0.0, cache_modifier=".cg").to(ACC)
-        o = tl.dot(p, vt, o * alpha[:, None], input_precision=PRECISION) * scale[:, None]
+        o = tl.dot(p, vt, o * alpha[:, None], input_precision=PRECISION, out_dtype=ACC) * scale[:, None]
         tl.store(o_ptr + offs, o.to(o_ptr.dtype.element_ty), mask=omask)
 
 
-@triton.autotune(configs=autotune_configs(("BLOCK_M", "BLOCK_N", "BLOCK_D"), ATTN_FWD_TILES, INTERPRETER_ATTN_TILE),
-                 key=["PQ", "P", "D", "DV", "N_GROUPS", "SHARED", "HAS_INDEX", "HAS_MASK", "HAS_GROUPS", "PRECISION"])
+@autotune(("BLOCK_M", "BLOCK_N", "BLOCK_D"), ATTN_FWD_TILES, INTERPRETER_ATTN_TILE, fits=_FWD_FITS,
+          key=["PQ", "P", "D", "DV", "N_GROUPS", "SHARED", "HAS_INDEX", "HAS_MASK", "HAS_GROUPS", "PRECISION"])
 @triton.jit
 def _masked_attn_fwd_kernel(q_ptr, idx_ptr, k_ptr, v_ptr, pad_ptr, grp_ptr, o_ptr, lse_ptr, ga_ptr,
                             PQ, P, D, DV, N_GROUPS, SHARED: tl.constexpr, HAS_INDEX: tl.constexpr,
@@ -184,8 +191,8 @@ def _masked_attn_fwd_kernel(q_ptr, idx_ptr, k_ptr, v_ptr, pad_ptr, grp_ptr, o_pt
     tl.store(lse_ptr + o_rows, (m_i + tl.log(l_i)).to(lse_ptr.dtype.element_ty), mask=m_ok)
 
 
-@triton.autotune(configs=autotune_configs(("BLOCK_M", "BLOCK_N", "BLOCK_D"), ATTN_BWD_TILES, INTERPRETER_ATTN_TILE),
-                 key=["PQ", "P", "D", "DV", "SHARED", "HAS_INDEX", "HAS_MASK", "PRECISION"])
+@autotune(("BLOCK_M", "BLOCK_N", "BLOCK_D"), ATTN_BWD_TILES, INTERPRETER_ATTN_TILE, fits=_BWD_FITS,
+          key=["PQ", "P", "D", "DV", "SHARED", "HAS_INDEX", "HAS_MASK", "PRECISION"])
 @triton.jit
 def _masked_attn_bwd_dq_kernel(q_ptr, idx_ptr, k_ptr, v_ptr, pad_ptr, o_ptr, do_ptr, lse_ptr, dq_ptr,
                                PQ, P, D, DV, SHARED: tl.constexpr, HAS_INDEX: tl.constexpr, HAS_MASK: tl.constexpr,
@@ -225,7 +232,7 @@ def _masked_attn_bwd_dq_kernel(q_ptr, idx_ptr, k_ptr, v_ptr, pad_ptr, o_ptr, do_
             offs = o_rows[:, None] * D + cc[None, :]
             omask = m_ok[:, None] & (cc[None, :] < D)
             dq = tl.load(dq_ptr + offs, mask=omask & (n0 > 0), other=0.0, cache_modifier=".cg").to(ACC)
-            dq = tl.dot(ds, kt, dq, input_precision=PRECISION)
+            dq = tl.dot(ds, kt, dq, input_precision=PRECISION, out_dtype=ACC)
             tl.store(dq_ptr + offs, dq.to(dq_ptr.dtype.element_ty), mask=omask)
         tl.debug_barrier()  # as in the forward: the dq rows are read back on the next key tile
 
@@ -250,9 +257,11 @@ def _masked_attn_fwd_triton(queries, keys, values, query_index, pad, groups, n_g
     out = kb.new_output((B, PQ, DV), keys)
     lse = kb.new_output((B, PQ), keys)
     group_attn = kb.new_output((B, PQ, n_groups), keys)
+    # the padding mask goes in as int32: triton 3.6 cannot build a float64 dot whose operand comes from 8-bit
+    # data ("fp64 don't support largeK MMA"), and B x P words cost nothing next to the keys
     _masked_attn_fwd_kernel[tile_grid((PQ, "BLOCK_M"), B)](
         queries, _placeholder(query_index, keys), keys, values,
-        _placeholder(None if pad is None else pad.view(torch.uint8), keys), _placeholder(groups, keys),
+        _placeholder(None if pad is None else pad.to(torch.int32), keys), _placeholder(groups, keys),
         out, lse, group_attn if n_groups else out, PQ, P, D, DV, n_groups, SHARED=queries.dim() == 2,
         HAS_INDEX=query_index is not None, HAS_MASK=pad is not None, HAS_GROUPS=n_groups > 0, PRECISION=precision,
         ACC=acc_dtype(keys))
@@ -266,7 +275,7 @@ def _masked_attn_bwd_triton(grad_out, queries, keys, values, query_index, pad, o
     dq_rows = kb.new_output((B, PQ, D), keys)
     _masked_attn_bwd_dq_kernel[tile_grid((PQ, "BLOCK_M"), B)](
         queries, _placeholder(query_index, keys), keys, values,
-        _placeholder(None if pad is None else pad.view(torch.uint8), keys), out, grad_out, lse, dq_rows,
+        _placeholder(None if pad is None else pad.to(torch.int32), keys), out, grad_out, lse, dq_rows,
         PQ, P, D, DV, SHARED=queries.dim() == 2, HAS_INDEX=query_index is not None, HAS_MASK=pad is not None,
         PRECISION=precision, ACC=acc_dtype(keys))
     return _sum_rows(dq_rows, queries, query_index), None, None

@@ -58,9 +58,10 @@ from torch.autograd.function import once_differentiable
 from featlearn.errors import ConfigError
 from featlearn.kernels import backend as kb  # kb.new_output: the allocation tests poison
 from featlearn.kernels.activations import Activation
-from featlearn.kernels.backend import (GEMM_TILES, INTERPRETER_GEMM_TILE, acc_dtype, autotune_configs, check_backend,
-                                       check_float_inputs, contiguous, cublas_precision, grouped_grid, grouped_tile,
-                                       resolve_backend, resolve_precision)
+from featlearn.kernels.backend import (FMA_8_WARP_TILES, FMA_TILES, GEMM_TILES, INTERPRETER_GEMM_TILE, MMA_TILES,
+                                       acc_dtype, autotune, blocks, check_backend, check_float_inputs, contiguous,
+                                       cublas_precision, grouped_grid, grouped_tile, resolve_backend, resolve_precision,
+                                       tiles_by_precision)
 
 __all__ = ["patch_activation_sum", "patch_activation_sum_reference", "PatchSums", "PatchActivationSumFunction"]
 
@@ -74,6 +75,15 @@ SAVE_PREACTIVATION_BYTES = 2**30
 DW_REUSE = 16
 MIN_CHUNK_ELEMENTS = 2**24
 
+
+# The tiles each kernel may use per precision: those its sm_90 builds at the spec sizes keep spill-free
+# (`featlearn gpu compile --all-configs`, benchmarks/results/gpu/). The forward holds three [rows x R]
+# accumulators (student, teacher, squares) besides the A tile: the narrow MMA tiles with TF32 (64 x 64
+# spills 8 bytes under triton 3.6), the smallest FMA tiles in IEEE float32, and in float64 one 8-warp tile.
+_NARROW_MMA = [(64, 64, 32, 8), (64, 16, 64, 8), (128, 16, 64, 8)]
+_FWD_FITS = tiles_by_precision(tf32=_NARROW_MMA[1:], ieee=[(64, 16, 16, 8), (32, 32, 16, 8)],
+                               fp64=blocks(FMA_8_WARP_TILES))
+_BWD_FITS = tiles_by_precision(tf32=_NARROW_MMA, ieee=blocks(FMA_TILES), fp64=blocks(FMA_TILES))
 
 # ----------------------------------------------------------------------------------------------------
 # Triton kernels. Per-call scalars (rho, coef, tau) are float64 arguments, rounded once to the
@@ -125,13 +135,12 @@ def _patch_sum_scores(x_rows, row_ok, sxd, w_ptr, offs_r, r_ok, swr, swd, D, ROW
         d_ok = dd < D
         xt = tl.load(x_rows[:, None] + dd[None, :] * sxd, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
         wt = tl.load(w_ptr + dd[:, None] * swd + offs_r[None, :] * swr, mask=d_ok[:, None] & r_ok[None, :], other=0.0)
-        a = tl.dot(xt, wt, a, input_precision=PRECISION)
+        a = tl.dot(xt, wt, a, input_precision=PRECISION, out_dtype=ACC)
     return a
 
 
-@triton.autotune(configs=autotune_configs(("BLOCK_B", "BLOCK_R", "BLOCK_D", "GROUP_M"), GEMM_TILES,
-                                          INTERPRETER_GEMM_TILE),
-                 key=["B", "P", "D", "R", "HAS_MASK", "HAS_TEACHER", "HAS_SQUARES", "SAVE_A", "PRECISION"])
+@autotune(("BLOCK_B", "BLOCK_R", "BLOCK_D", "GROUP_M"), GEMM_TILES, INTERPRETER_GEMM_TILE, fits=_FWD_FITS,
+          key=["P", "D", "R", "HAS_MASK", "HAS_TEACHER", "HAS_SQUARES", "SAVE_A", "PRECISION"])
 @triton.jit
 def _patch_sum_fwd_kernel(
     x_ptr, w_ptr, m_ptr, s_ptr, t_ptr, q_ptr, a_ptr, rho: tl.float64, coef: tl.float64, tau: tl.float64,
@@ -174,9 +183,8 @@ def _patch_sum_fwd_kernel(
         tl.store(q_ptr + out_off, q_acc.to(q_ptr.dtype.element_ty), mask=out_ok)
 
 
-@triton.autotune(configs=autotune_configs(("BLOCK_M", "BLOCK_R", "BLOCK_D", "GROUP_M"), GEMM_TILES,
-                                          INTERPRETER_GEMM_TILE),
-                 key=["M", "D", "R", "HAS_MASK", "HAS_GS", "HAS_GQ", "HAS_A", "PRECISION"])
+@autotune(("BLOCK_M", "BLOCK_R", "BLOCK_D", "GROUP_M"), GEMM_TILES, INTERPRETER_GEMM_TILE, fits=_BWD_FITS,
+          key=["D", "R", "HAS_MASK", "HAS_GS", "HAS_GQ", "HAS_A", "PRECISION"])
 @triton.jit
 def _patch_sum_bwd_da_kernel(
     x_ptr, w_ptr, a_ptr, m_ptr, gs_ptr, gq_ptr, da_ptr, rho: tl.float64, coef: tl.float64, inv_rho: tl.float64,

@@ -47,9 +47,9 @@ import triton.language as tl
 
 from featlearn.errors import ConfigError
 from featlearn.kernels import backend as kb  # kb.new_output: the allocation tests poison
-from featlearn.kernels.backend import (GEMM_TILES, INTERPRETER_GEMM_TILE, acc_dtype, autotune_configs, check_backend,
-                                       check_float_inputs, contiguous, grouped_grid, grouped_tile, resolve_backend,
-                                       resolve_precision)
+from featlearn.kernels.backend import (FMA_TILES, GEMM_TILES, INTERPRETER_GEMM_TILE, MMA_TILES, acc_dtype, autotune,
+                                       blocks, check_backend, check_float_inputs, contiguous, grouped_grid,
+                                       grouped_tile, resolve_backend, resolve_precision, tiles_by_precision)
 
 __all__ = ["smoothed_clamp_layer", "smoothed_clamp_reference", "gaussian_smoothed_clamp",
            "gaussian_smoothed_clamp_derivative", "SmoothedClampFunction"]
@@ -57,6 +57,20 @@ __all__ = ["smoothed_clamp_layer", "smoothed_clamp_reference", "gaussian_smoothe
 _INV_SQRT2 = 1.0 / math.sqrt(2.0)
 _INV_SQRT2PI = 1.0 / math.sqrt(2.0 * math.pi)
 
+
+# The tiles each kernel may use per precision: those its sm_90 builds at the spec sizes keep spill-free
+# (`featlearn gpu compile --all-configs`, benchmarks/results/gpu/). The forward's epilogue (two normal
+# CDFs and densities per element) leaves room for few accumulators: 64-row tiles with TF32, the two
+# smallest FMA tiles in float64.
+_FWD_FITS = tiles_by_precision(tf32=[(64, 64, 32, 8), (64, 16, 64, 8)], ieee=blocks(FMA_TILES),
+                               fp64=[(64, 16, 16, 8), (32, 32, 16, 8)])
+# The backward's 128 x 128 x 64 tile needs 229-233 KB of shared memory at d = 100 (the H100 has 227 KB).
+_MMA_BUT_DEEPEST = [t for t in blocks(MMA_TILES) if t != (128, 128, 64, 8)]
+_BWD_X_FITS = tiles_by_precision(tf32=_MMA_BUT_DEEPEST, ieee=blocks(FMA_TILES), fp64=blocks(FMA_TILES))
+_BWD_W_FITS = tiles_by_precision(tf32=[t for t in _MMA_BUT_DEEPEST if t not in ((128, 64, 32, 8), (128, 16, 64, 8),
+                                                                                (64, 128, 32, 8))],
+                                 ieee=[(32, 64, 16, 8), (64, 16, 16, 8), (32, 32, 16, 8)],
+                                 fp64=[(64, 64, 16, 8), (64, 32, 16, 8), (64, 16, 16, 8)])
 
 # ----------------------------------------------------------------------------------------------
 # Triton kernels
@@ -80,9 +94,8 @@ def _smoothed_clamp_epilogue(z, s, SMOOTH: tl.constexpr):
     return h, d
 
 
-@triton.autotune(configs=autotune_configs(("BLOCK_B", "BLOCK_M", "BLOCK_K", "GROUP_M"), GEMM_TILES,
-                                          INTERPRETER_GEMM_TILE),
-                 key=["B", "M", "D", "SMOOTH", "PRECISION"])
+@autotune(("BLOCK_B", "BLOCK_M", "BLOCK_K", "GROUP_M"), GEMM_TILES, INTERPRETER_GEMM_TILE, fits=_FWD_FITS,
+          key=["M", "D", "SMOOTH", "PRECISION"])
 @triton.jit
 def _smoothed_clamp_fwd_kernel(x_ptr, w_ptr, b_ptr, h_ptr, slope_ptr, s: tl.float64, B, M, D,
                                SMOOTH: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
@@ -90,15 +103,15 @@ def _smoothed_clamp_fwd_kernel(x_ptr, w_ptr, b_ptr, h_ptr, slope_ptr, s: tl.floa
                                GROUP_M: tl.constexpr):
     # z[B, M] = x[B, D] @ w[M, D]^T + b with the smoothed-clamp epilogue (value and slope)
     pid_b, pid_m = grouped_tile(tl.program_id(0), tl.cdiv(B, BLOCK_B), tl.cdiv(M, BLOCK_M), GROUP_M)
-    rb = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rk = tl.arange(0, BLOCK_K)
+    rb = (pid_b * BLOCK_B + tl.arange(0, BLOCK_B)).to(tl.int64)
+    rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    rk = tl.arange(0, BLOCK_K).to(tl.int64)
     acc = tl.zeros((BLOCK_B, BLOCK_M), dtype=ACC)
     for k0 in range(0, D, BLOCK_K):
         kk = k0 + rk
         xt = tl.load(x_ptr + rb[:, None] * D + kk[None, :], mask=(rb[:, None] < B) & (kk[None, :] < D), other=0.0)
         wt = tl.load(w_ptr + rm[None, :] * D + kk[:, None], mask=(rm[None, :] < M) & (kk[:, None] < D), other=0.0)
-        acc = tl.dot(xt.to(ACC), wt.to(ACC), acc, input_precision=PRECISION)
+        acc = tl.dot(xt.to(ACC), wt.to(ACC), acc, input_precision=PRECISION, out_dtype=ACC)
     z = acc + tl.load(b_ptr + rm, mask=rm < M, other=0.0).to(ACC)[None, :]
     h, d = _smoothed_clamp_epilogue(z, tl.full((), s, ACC), SMOOTH)
     omask = (rb[:, None] < B) & (rm[None, :] < M)
@@ -107,18 +120,17 @@ def _smoothed_clamp_fwd_kernel(x_ptr, w_ptr, b_ptr, h_ptr, slope_ptr, s: tl.floa
     tl.store(slope_ptr + offs, d.to(slope_ptr.dtype.element_ty), mask=omask)
 
 
-@triton.autotune(configs=autotune_configs(("BLOCK_B", "BLOCK_D", "BLOCK_K", "GROUP_M"), GEMM_TILES,
-                                          INTERPRETER_GEMM_TILE),
-                 key=["B", "M", "D", "PRECISION"])
+@autotune(("BLOCK_B", "BLOCK_D", "BLOCK_K", "GROUP_M"), GEMM_TILES, INTERPRETER_GEMM_TILE, fits=_BWD_X_FITS,
+          key=["M", "D", "PRECISION"])
 @triton.jit
 def _smoothed_clamp_bwd_x_kernel(g_ptr, slope_ptr, w_ptr, gx_ptr, B, M, D,
                                  PRECISION: tl.constexpr, ACC: tl.constexpr, BLOCK_B: tl.constexpr,
                                  BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     # grad_x[B, D] = (g * slope)[B, M] @ w[M, D]
     pid_b, pid_d = grouped_tile(tl.program_id(0), tl.cdiv(B, BLOCK_B), tl.cdiv(D, BLOCK_D), GROUP_M)
-    rb = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)
-    rd = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    rk = tl.arange(0, BLOCK_K)
+    rb = (pid_b * BLOCK_B + tl.arange(0, BLOCK_B)).to(tl.int64)
+    rd = (pid_d * BLOCK_D + tl.arange(0, BLOCK_D)).to(tl.int64)
+    rk = tl.arange(0, BLOCK_K).to(tl.int64)
     acc = tl.zeros((BLOCK_B, BLOCK_D), dtype=ACC)
     for k0 in range(0, M, BLOCK_K):
         kk = k0 + rk
@@ -126,14 +138,13 @@ def _smoothed_clamp_bwd_x_kernel(g_ptr, slope_ptr, w_ptr, gx_ptr, B, M, D,
         g = tl.load(g_ptr + rb[:, None] * M + kk[None, :], mask=gmask, other=0.0).to(ACC)
         sl = tl.load(slope_ptr + rb[:, None] * M + kk[None, :], mask=gmask, other=0.0).to(ACC)
         wt = tl.load(w_ptr + kk[:, None] * D + rd[None, :], mask=(kk[:, None] < M) & (rd[None, :] < D), other=0.0)
-        acc = tl.dot(g * sl, wt.to(ACC), acc, input_precision=PRECISION)
+        acc = tl.dot(g * sl, wt.to(ACC), acc, input_precision=PRECISION, out_dtype=ACC)
     omask = (rb[:, None] < B) & (rd[None, :] < D)
     tl.store(gx_ptr + rb[:, None] * D + rd[None, :], acc.to(gx_ptr.dtype.element_ty), mask=omask)
 
 
-@triton.autotune(configs=autotune_configs(("BLOCK_M", "BLOCK_D", "BLOCK_K", "GROUP_M"), GEMM_TILES,
-                                          INTERPRETER_GEMM_TILE),
-                 key=["B", "M", "D", "NEED_W", "NEED_B", "PRECISION"])
+@autotune(("BLOCK_M", "BLOCK_D", "BLOCK_K", "GROUP_M"), GEMM_TILES, INTERPRETER_GEMM_TILE, fits=_BWD_W_FITS,
+          key=["M", "D", "NEED_W", "NEED_B", "PRECISION"])
 @triton.jit
 def _smoothed_clamp_bwd_w_kernel(g_ptr, slope_ptr, x_ptr, gw_ptr, gb_ptr, B, M, D,
                                  NEED_W: tl.constexpr, NEED_B: tl.constexpr, PRECISION: tl.constexpr,
@@ -142,9 +153,9 @@ def _smoothed_clamp_bwd_w_kernel(g_ptr, slope_ptr, x_ptr, gw_ptr, gb_ptr, B, M, 
     # grad_w[M, D] = (g * slope)^T[M, B] @ x[B, D]; grad_b[M] = sum_B g * slope (first D tile only)
     n_d = tl.cdiv(D, BLOCK_D) if NEED_W else 1
     pid_m, pid_d = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), n_d, GROUP_M)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rd = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    rk = tl.arange(0, BLOCK_K)
+    rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    rd = (pid_d * BLOCK_D + tl.arange(0, BLOCK_D)).to(tl.int64)
+    rk = tl.arange(0, BLOCK_K).to(tl.int64)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=ACC)
     gb = tl.zeros((BLOCK_M,), dtype=ACC)
     for k0 in range(0, B, BLOCK_K):
@@ -155,14 +166,14 @@ def _smoothed_clamp_bwd_w_kernel(g_ptr, slope_ptr, x_ptr, gw_ptr, gb_ptr, B, M, 
               * tl.load(slope_ptr + kk[None, :] * M + rm[:, None], mask=gmask, other=0.0).to(ACC))
         if NEED_W:
             xt = tl.load(x_ptr + kk[:, None] * D + rd[None, :], mask=(kk[:, None] < B) & (rd[None, :] < D), other=0.0)
-            acc = tl.dot(gu, xt.to(ACC), acc, input_precision=PRECISION)
+            acc = tl.dot(gu, xt.to(ACC), acc, input_precision=PRECISION, out_dtype=ACC)
         if NEED_B:  # cheap; only the pid_d == 0 programs store it
             gb += tl.sum(gu, axis=1)
     if NEED_W:
         omask = (rm[:, None] < M) & (rd[None, :] < D)
         tl.store(gw_ptr + rm[:, None] * D + rd[None, :], acc.to(gw_ptr.dtype.element_ty), mask=omask)
     if NEED_B:
-        limit = M * (pid_d == 0).to(tl.int32)  # only the first column tile writes grad_b
+        limit = M * (pid_d == 0).to(tl.int64)  # only the first column tile writes grad_b
         tl.store(gb_ptr + rm, gb.to(gb_ptr.dtype.element_ty), mask=rm < limit)
 
 

@@ -38,55 +38,68 @@ import triton.language as tl
 
 from featlearn.errors import ConfigError
 from featlearn.kernels import backend as kb  # kb.new_output: the allocation tests poison
-from featlearn.kernels.backend import (GEMM_TILES, INTERPRETER_GEMM_TILE, acc_dtype, autotune_configs, check_backend,
-                                       check_float_inputs, contiguous, grouped_grid, grouped_tile, resolve_backend,
-                                       resolve_precision)
+from featlearn.kernels.backend import (FMA_TILES, GEMM_TILES, INTERPRETER_GEMM_TILE, MMA_TILES, acc_dtype, autotune,
+                                       blocks, check_backend, check_float_inputs, contiguous, grouped_grid,
+                                       grouped_tile, resolve_backend, resolve_precision, tiles_by_precision)
 
 __all__ = ["soft_threshold_layer", "soft_threshold_reference", "symmetric_relu", "SoftThresholdFunction"]
 
 
+# The tiles each kernel may use per precision: those its sm_90 builds at the spec sizes keep spill-free
+# (`featlearn gpu compile --all-configs`, benchmarks/results/gpu/): every MMA tile with TF32 dots on sizes
+# that are multiples of 16, fewer on others (d = 500: 24-1840 bytes of spill on the rest), the FMA tiles
+# with IEEE float32 and float64 dots (in the backward not all: 8-16 bytes of spill at d = 500 on the rest).
+_SIZES = ("B", "M", "D")
+_WIDE_MMA = [(128, 128, 32, 8), (64, 128, 32, 8), (64, 64, 32, 8), (128, 128, 32, 1)]
+_FWD_FITS = tiles_by_precision(tf32=blocks(MMA_TILES), ieee=blocks(FMA_TILES), fp64=blocks(FMA_TILES),
+                               tf32_unaligned=[(64, 16, 64, 8)], sizes=_SIZES)
+_BWD_X_FITS = tiles_by_precision(tf32=blocks(MMA_TILES), ieee=blocks(FMA_TILES),
+                                 fp64=[(64, 64, 16, 8), (32, 64, 16, 8), (32, 32, 16, 8)],
+                                 tf32_unaligned=[t for t in _WIDE_MMA if t != (64, 128, 32, 8)], sizes=_SIZES)
+_BWD_W_FITS = tiles_by_precision(tf32=blocks(MMA_TILES), ieee=blocks(FMA_TILES[:-1]),
+                                 fp64=[(64, 64, 16, 8), (64, 16, 16, 8), (32, 32, 16, 8)],
+                                 tf32_unaligned=_WIDE_MMA, sizes=_SIZES)
+
 # ----------------------------------------------------------------------------------------------
 # Triton kernels
 # ----------------------------------------------------------------------------------------------
-@triton.autotune(configs=autotune_configs(("BLOCK_B", "BLOCK_M", "BLOCK_K", "GROUP_M"), GEMM_TILES,
-                                          INTERPRETER_GEMM_TILE),
-                 key=["B", "M", "D", "PRECISION"])
+@autotune(("BLOCK_B", "BLOCK_M", "BLOCK_K", "GROUP_M"), GEMM_TILES, INTERPRETER_GEMM_TILE, fits=_FWD_FITS,
+          key=["M", "D", "PRECISION"])
 @triton.jit
 def _soft_threshold_fwd_kernel(x_ptr, w_ptr, b_ptr, h_ptr, code_ptr, B, M, D,
                                PRECISION: tl.constexpr, ACC: tl.constexpr, BLOCK_B: tl.constexpr,
                                BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     # u[B, M] = x[B, D] @ w[M, D]^T with the soft-threshold epilogue
     pid_b, pid_m = grouped_tile(tl.program_id(0), tl.cdiv(B, BLOCK_B), tl.cdiv(M, BLOCK_M), GROUP_M)
-    rb = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rk = tl.arange(0, BLOCK_K)
+    rb = (pid_b * BLOCK_B + tl.arange(0, BLOCK_B)).to(tl.int64)
+    rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    rk = tl.arange(0, BLOCK_K).to(tl.int64)
     acc = tl.zeros((BLOCK_B, BLOCK_M), dtype=ACC)
     for k0 in range(0, D, BLOCK_K):
         kk = k0 + rk
         xt = tl.load(x_ptr + rb[:, None] * D + kk[None, :], mask=(rb[:, None] < B) & (kk[None, :] < D), other=0.0)
         wt = tl.load(w_ptr + rm[None, :] * D + kk[:, None], mask=(rm[None, :] < M) & (kk[:, None] < D), other=0.0)
-        acc = tl.dot(xt.to(ACC), wt.to(ACC), acc, input_precision=PRECISION)
+        acc = tl.dot(xt.to(ACC), wt.to(ACC), acc, input_precision=PRECISION, out_dtype=ACC)
     bb = tl.load(b_ptr + rm, mask=rm < M, other=0.0).to(ACC)[None, :]
     h = tl.maximum(acc - bb, 0.0) - tl.maximum(-acc - bb, 0.0)
     code = (acc > bb).to(tl.uint8) + 2 * (acc < -bb).to(tl.uint8)
     omask = (rb[:, None] < B) & (rm[None, :] < M)
     offs = rb[:, None] * M + rm[None, :]
     tl.store(h_ptr + offs, h.to(h_ptr.dtype.element_ty), mask=omask)
-    tl.store(code_ptr + offs, code, mask=omask)
+    tl.store(code_ptr + offs, code.to(code_ptr.dtype.element_ty), mask=omask)
 
 
-@triton.autotune(configs=autotune_configs(("BLOCK_B", "BLOCK_D", "BLOCK_K", "GROUP_M"), GEMM_TILES,
-                                          INTERPRETER_GEMM_TILE),
-                 key=["B", "M", "D", "PRECISION"])
+@autotune(("BLOCK_B", "BLOCK_D", "BLOCK_K", "GROUP_M"), GEMM_TILES, INTERPRETER_GEMM_TILE, fits=_BWD_X_FITS,
+          key=["M", "D", "PRECISION"])
 @triton.jit
 def _soft_threshold_bwd_x_kernel(g_ptr, code_ptr, w_ptr, gx_ptr, B, M, D,
                                  PRECISION: tl.constexpr, ACC: tl.constexpr, BLOCK_B: tl.constexpr,
                                  BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     # grad_x[B, D] = (g * slope)[B, M] @ w[M, D]; slope rebuilt from the code in the prologue
     pid_b, pid_d = grouped_tile(tl.program_id(0), tl.cdiv(B, BLOCK_B), tl.cdiv(D, BLOCK_D), GROUP_M)
-    rb = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)
-    rd = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    rk = tl.arange(0, BLOCK_K)
+    rb = (pid_b * BLOCK_B + tl.arange(0, BLOCK_B)).to(tl.int64)
+    rd = (pid_d * BLOCK_D + tl.arange(0, BLOCK_D)).to(tl.int64)
+    rk = tl.arange(0, BLOCK_K).to(tl.int64)
     acc = tl.zeros((BLOCK_B, BLOCK_D), dtype=ACC)
     for k0 in range(0, M, BLOCK_K):
         kk = k0 + rk
@@ -94,14 +107,13 @@ def _soft_threshold_bwd_x_kernel(g_ptr, code_ptr, w_ptr, gx_ptr, B, M, D,
         g = tl.load(g_ptr + rb[:, None] * M + kk[None, :], mask=gmask, other=0.0).to(ACC)
         c = tl.load(code_ptr + rb[:, None] * M + kk[None, :], mask=gmask, other=0)
         wt = tl.load(w_ptr + kk[:, None] * D + rd[None, :], mask=(kk[:, None] < M) & (rd[None, :] < D), other=0.0)
-        acc = tl.dot(g * ((c & 1) + (c >> 1)).to(ACC), wt.to(ACC), acc, input_precision=PRECISION)
+        acc = tl.dot(g * ((c & 1) + (c >> 1)).to(ACC), wt.to(ACC), acc, input_precision=PRECISION, out_dtype=ACC)
     omask = (rb[:, None] < B) & (rd[None, :] < D)
     tl.store(gx_ptr + rb[:, None] * D + rd[None, :], acc.to(gx_ptr.dtype.element_ty), mask=omask)
 
 
-@triton.autotune(configs=autotune_configs(("BLOCK_M", "BLOCK_D", "BLOCK_K", "GROUP_M"), GEMM_TILES,
-                                          INTERPRETER_GEMM_TILE),
-                 key=["B", "M", "D", "NEED_W", "NEED_B", "PRECISION"])
+@autotune(("BLOCK_M", "BLOCK_D", "BLOCK_K", "GROUP_M"), GEMM_TILES, INTERPRETER_GEMM_TILE, fits=_BWD_W_FITS,
+          key=["M", "D", "NEED_W", "NEED_B", "PRECISION"])
 @triton.jit
 def _soft_threshold_bwd_w_kernel(g_ptr, code_ptr, x_ptr, gw_ptr, gb_ptr, B, M, D,
                                  NEED_W: tl.constexpr, NEED_B: tl.constexpr, PRECISION: tl.constexpr,
@@ -110,9 +122,9 @@ def _soft_threshold_bwd_w_kernel(g_ptr, code_ptr, x_ptr, gw_ptr, gb_ptr, B, M, D
     # grad_w[M, D] = (g * slope)^T[M, B] @ x[B, D]; grad_b[M] = sum_B g * dbias (first D tile only)
     n_d = tl.cdiv(D, BLOCK_D) if NEED_W else 1
     pid_m, pid_d = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), n_d, GROUP_M)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rd = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    rk = tl.arange(0, BLOCK_K)
+    rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    rd = (pid_d * BLOCK_D + tl.arange(0, BLOCK_D)).to(tl.int64)
+    rk = tl.arange(0, BLOCK_K).to(tl.int64)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=ACC)
     gb = tl.zeros((BLOCK_M,), dtype=ACC)
     for k0 in range(0, B, BLOCK_K):
@@ -125,14 +137,14 @@ def _soft_threshold_bwd_w_kernel(g_ptr, code_ptr, x_ptr, gw_ptr, gb_ptr, B, M, D
         neg = (c >> 1).to(ACC)
         if NEED_W:
             xt = tl.load(x_ptr + kk[:, None] * D + rd[None, :], mask=(kk[:, None] < B) & (rd[None, :] < D), other=0.0)
-            acc = tl.dot(g * (pos + neg), xt.to(ACC), acc, input_precision=PRECISION)
+            acc = tl.dot(g * (pos + neg), xt.to(ACC), acc, input_precision=PRECISION, out_dtype=ACC)
         if NEED_B:  # cheap; only the pid_d == 0 programs store it
             gb += tl.sum(g * (neg - pos), axis=1)
     if NEED_W:
         omask = (rm[:, None] < M) & (rd[None, :] < D)
         tl.store(gw_ptr + rm[:, None] * D + rd[None, :], acc.to(gw_ptr.dtype.element_ty), mask=omask)
     if NEED_B:
-        limit = M * (pid_d == 0).to(tl.int32)  # only the first column tile writes grad_b
+        limit = M * (pid_d == 0).to(tl.int64)  # only the first column tile writes grad_b
         tl.store(gb_ptr + rm, gb.to(gb_ptr.dtype.element_ty), mask=rm < limit)
 
 
@@ -143,7 +155,9 @@ def _soft_threshold_fwd_triton(x, w, bias, precision):
     B, D = x.shape
     M = w.shape[0]
     h = kb.new_output((B, M), x)
-    code = kb.new_output((B, M), x, torch.uint8)
+    # float64: an int32 code (triton 3.6 cannot build a float64 dot whose operand comes from 8-bit data:
+    # "fp64 don't support largeK MMA"); float32 keeps the 1-byte code
+    code = kb.new_output((B, M), x, torch.int32 if x.dtype == torch.float64 else torch.uint8)
     _soft_threshold_fwd_kernel[grouped_grid((B, "BLOCK_B"), (M, "BLOCK_M"))](
         x, w, bias, h, code, B, M, D, PRECISION=precision, ACC=acc_dtype(x))
     return h, code

@@ -1,7 +1,8 @@
 import os
 
-# Triton kernels are tested on CPU through the interpreter; must be set before triton is imported.
-os.environ["TRITON_INTERPRET"] = "1"
+# Triton kernels are tested on CPU through the interpreter; must be set before triton is imported. An
+# explicit value wins: the GPU tests (tests/gpu, ``TRITON_INTERPRET=0 pytest -m gpu tests/gpu``) compile them.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -37,12 +38,12 @@ def refused_before_work(monkeypatch):
 @pytest.fixture
 def poisoned(monkeypatch):
     """Every output buffer an op allocates (``featlearn.kernels.backend.new_output``, the one allocation
-    seam of every op) starts as NaN, uint8 codes as 255: cells a kernel fails to write show up."""
+    seam of every op) starts as NaN, integer codes as their largest value: cells a kernel fails to write show up."""
     from featlearn.kernels import backend
 
     def new_output(shape, like, dtype=None):
         dtype = like.dtype if dtype is None else dtype
-        fill = 255 if dtype == torch.uint8 else float("nan")
+        fill = float("nan") if dtype.is_floating_point else torch.iinfo(dtype).max
         return torch.full(shape, fill, device=like.device, dtype=dtype)
 
     monkeypatch.setattr(backend, "new_output", new_output)

@@ -40,6 +40,10 @@ def test_op_smoke_checks_times_and_writes(tmp_path):
     rows = _rows(files[0])
     assert {r["variant"] for r in rows} >= {"eager", "compiled", "featlearn torch", "wrong"}
     assert [r["passed"] for r in rows if r["variant"] == "wrong"] == ["False"]
+    # achieved rates from each case's own counts (no ceilings given: the shares stay empty)
+    patch = [r for r in rows if r["case"] == "patch_activation_sum" and r["variant"] == "eager"][0]
+    assert float(patch["gflop"]) == 4 * 12 * 5 * 24 * 7 / 1e9 and float(patch["tflops"]) > 0
+    assert patch["precision"] == "ieee" and patch["frac_gemm_ceiling"] == "nan"
     assert "FAILED" in files[1].read_text()
 
 
@@ -69,6 +73,8 @@ def test_check_refuses_a_variant_that_writes_nan():
     (["bench", "step", "--method", "mae"], "--method"),
     (["bench", "step", "--size", "medium"], "--size"),
     (["bench", "op", "--repeats", "0"], "--repeats"),
+    (["bench", "op", "--size", "gpu", "--device", "cpu"], "--size"),
+    (["bench", "op", "--size", "smoke", "--device", "cpu", "--ceilings", "missing.csv"], "--ceilings"),
 ])
 def test_bad_options_are_refused_naming_the_option(argv, field, capsys, tmp_path):
     with pytest.raises(SystemExit) as exit_:

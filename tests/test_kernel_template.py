@@ -24,6 +24,10 @@ OPS = {
     "smoothed_clamp": ("smoothed_clamp_layer", "SmoothedClampFunction", "_smoothed_clamp"),
 }
 SHARED = {"backend", "activations"}  # helper modules, not ops
+# kernel arguments that follow the batch (rows of x, flattened sample x patch rows, row blocks): never
+# autotune keys. masked_attention launches one grid column per sample, so no argument carries B.
+BATCH_ARGS = {"_patch_sum": {"B", "M"}, "_soft_threshold": {"B"}, "_bn_cosine": {"N", "NPROG"}, "_masked_attn": set(),
+              "_smoothed_clamp": {"B"}}
 
 
 def _module(name):
@@ -92,6 +96,10 @@ def test_triton_kernels_named_autotuned_and_safe_to_benchmark(name):
         assert isinstance(kernel, Autotuner), f"{kname} is not autotuned"
         assert len(kernel.configs) == 1, f"{kname}: the interpreter must get one config (no benchmarking)"
         assert kernel.keys, f"{kname}: autotune needs a key of size arguments"
+        # backend.autotune: the GPU configs stay reachable for the offline compile check, and a batch-size
+        # argument in the key would start a new search for every batch size (train, validation, test)
+        assert hasattr(kernel, "gpu_configs"), f"{kname}: decorate with featlearn.kernels.backend.autotune"
+        assert not BATCH_ARGS[prefix] & set(kernel.keys), f"{kname}: a batch size in the autotune key {kernel.keys}"
         # autotune re-runs a kernel while benchmarking: one that accumulates into its output must reset it
         if "atomic_" in inspect.getsource(_python_fn(kernel)):
             assert kernel.reset_to_zero, f"{kname} accumulates with atomics but declares no reset_to_zero"
@@ -119,12 +127,13 @@ def test_shared_helpers_only(name):
 
 @pytest.mark.parametrize("name", [n for n, (_, _, prefix) in OPS.items() if prefix])
 def test_gemms_take_input_precision_and_grouped_order(name):
-    """Every ``tl.dot`` takes the op's ``input_precision`` (no hard-coded precision); every kernel tuned
-    over a GROUP_M maps its program id through ``backend.grouped_tile``."""
+    """Every ``tl.dot`` takes the op's ``input_precision`` (no hard-coded precision) and accumulates in the
+    accumulator dtype (Triton 3.6 refuses a float64 accumulator with the default float32 ``out_dtype``);
+    every kernel tuned over a GROUP_M maps its program id through ``backend.grouped_tile``."""
     mod = _module(name)
     src = inspect.getsource(mod)
     dots = src.count("tl.dot(")
-    assert src.count("input_precision=PRECISION)") == dots
+    assert src.count("input_precision=PRECISION, out_dtype=ACC)") == dots
     if dots:
         params = inspect.signature(getattr(mod, OPS[name][0])).parameters
         assert params["input_precision"].default == "auto"

@@ -5,9 +5,12 @@ Usage:
     featlearn bench op --op soft_threshold --size medium --device cuda
     featlearn bench step                                 # every method's training step at its main job's size
     featlearn bench step --method mrp --repeats 50
+    featlearn bench op --size gpu --device cuda --ceilings OUT/ceilings.csv     # featlearn gpu check part 2
 
-Writes ``<out>/<op|step>_<size>_<device>.{csv,md,png}`` (default ``benchmarks/results/bench``) and exits 1
-when any variant failed its correctness check (failed variants are reported and not timed).
+Writes ``<out>/<op|step>_<size>_<device>.{csv,md,png}`` (default ``benchmarks/results/bench``; the csv and md
+after every case, so a run cut short keeps its rows) and exits 1 when any variant failed its correctness
+check (failed variants are reported and not timed). ``--size gpu`` is refused off CUDA; ``--ceilings``
+(a ``ceilings.csv`` of ``featlearn gpu check``) adds each variant's rates as shares of the measured ceilings.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import torch
 
 from featlearn.bench import harness, ops, steps
 from featlearn.cli import _refuse
+from featlearn.gpu import ceilings as ceiling_file
 from featlearn.validation import default_device
 
 
@@ -52,8 +56,8 @@ def parser() -> argparse.ArgumentParser:
             ("op", ops.OPS, "--op", ops.SIZES, "fused ops vs eager vs torch.compile"),
             ("step", steps.METHODS, "--method", steps.SIZES, "one training step of each method vs a plain loop")):
         p = sub.add_parser(name, help=help_, description=help_)
-        p.add_argument(plural, nargs="+", choices=choices, default=list(choices), metavar="NAME",
-                       help=f"one or more of {', '.join(choices)} (default: all)")
+        p.add_argument(plural, nargs="+", choices=choices, default=None, metavar="NAME",
+                       help=f"one or more of {', '.join(choices)} (default: all; at --size gpu, all that have it)")
         p.add_argument("--size", choices=sizes, default="tiny", help=f"one of {', '.join(sizes)} (default: tiny)")
         p.add_argument("--device", choices=("cpu", "cuda"), default=default)
         p.add_argument("--repeats", type=_positive, default=20, help="timed interleaved rounds (default 20)")
@@ -62,6 +66,10 @@ def parser() -> argparse.ArgumentParser:
         p.add_argument("--threads", type=_non_negative, default=0, help="torch CPU threads (0: torch's default)")
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--out", type=Path, default=Path("benchmarks/results/bench"), help="folder of the tables")
+        p.add_argument("--no-compile", action="store_true",
+                       help="leave out the torch.compile variants (each compile takes ~10-40 s)")
+        p.add_argument("--ceilings", type=Path, default=None,
+                       help="ceilings.csv of `featlearn gpu check`: rates as shares of the measured ceilings")
     return top
 
 
@@ -69,17 +77,27 @@ def run(argv: list[str] | None = None, extra_cases: list | None = None) -> tuple
     """Parse, check, time and write; returns (exit status, results, files written). ``extra_cases`` are
     appended to the command's cases (the tests inject a deliberately wrong variant this way)."""
     args = parser().parse_args(argv)
+    if args.size == "gpu" and args.device != "cuda":
+        parser().error(f"--size: gpu needs --device cuda (got --device {args.device}); the CPU sizes are smoke and tiny")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser().error("--device: cuda, but no CUDA device is visible")
+    names = args.op if args.what == "op" else args.method
+    if args.what == "step" and args.size == "gpu":
+        missing = [m for m in names or () if m not in steps.GPU_METHODS]
+        if missing:
+            parser().error(f"--method: {missing[0]} has no --size gpu (those that do: {', '.join(steps.GPU_METHODS)})")
+        names = names or list(steps.GPU_METHODS)
+    names = names or list(ops.OPS if args.what == "op" else steps.METHODS)
+    if args.ceilings is not None and not args.ceilings.is_file():
+        parser().error(f"--ceilings: no such file {args.ceilings}")
+    ceilings = ceiling_file.read(args.ceilings)
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    if args.what == "op":
-        cases = ops.cases(args.op, args.size, device)
-    else:
-        cases = steps.cases(args.method, args.size, device)
-    cases += extra_cases or []
-    results = harness.run_cases(cases, device, args.repeats, args.warmup, args.seed)
+    cases = (ops.cases if args.what == "op" else steps.cases)(names, args.size, device) + (extra_cases or [])
+    if args.no_compile:
+        for case in cases:
+            case.variants = [v for v in case.variants if harness.COMPILED not in v.name]
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or "cpu")
     header = (f"# featlearn bench {args.what}, size {args.size}, {args.device} ({where}), "
               f"{torch.get_num_threads()} threads, torch {torch.__version__}\n\n"
@@ -87,9 +105,15 @@ def run(argv: list[str] | None = None, extra_cases: list | None = None) -> tuple
               f"x = speed-up (baseline's median / variant's), > 1 is faster; peak = "
               + ("CUDA max_memory_allocated over the call" if device.type == "cuda" else
                  "growth of the peak RSS over one call, in an untimed pass after all timing, with glibc made to "
-                 "return freed tensors (n/a for steps, whose calls also build the module and data)"))
-    files = harness.write(results, args.out, f"{args.what}_{args.size}_{args.device}", header)
-    print(harness.table(results, header))
+                 "return freed tensors (n/a for steps, whose calls also build the module and data)")
+              + "; TFLOP/s and GB/s from each case's model FLOPs and fewest bytes"
+              + (f", as % of the measured ceilings ({ceiling_file.device_of(args.ceilings)}: "
+                 + ", ".join(f"{k} {v:.4g}" for k, v in ceilings.items()) + ")" if ceilings else ""))
+    stem = f"{args.what}_{args.size}_{args.device}"
+    results = harness.run_cases(cases, device, args.repeats, args.warmup, args.seed,
+                                after_case=lambda done: harness.write(done, args.out, stem, header, ceilings, False))
+    files = harness.write(results, args.out, stem, header, ceilings)
+    print(harness.table(results, header, ceilings))
     print("\nwrote " + ", ".join(str(f) for f in files))
     failed = [f"{r.case} / {r.variant}" for r in results if not r.passed]
     if failed:

@@ -9,8 +9,13 @@ machine that slows down mid-run slows every variant alike.
 
 Timing: on CPU ``time.perf_counter`` around each call; on CUDA ``triton.testing.do_bench`` (events, median
 of its own repeats) per call of a pure function, CUDA events around a call with side effects (a training
-step). Peak memory: on CUDA ``torch.cuda.max_memory_allocated`` reset before each call, less what was
-allocated before it, the largest over a variant's timed calls; on CPU, in a pass of its own after all
+step); every variant is held to the same input draw and the same rounds. Rates: a case may carry its
+model FLOPs and fewest bytes per call (``Case.flops``, ``Case.bytes``); with the device's measured
+ceilings (``featlearn gpu check`` part 1, :mod:`featlearn.gpu.ceilings`) the tables give each variant's
+TFLOP/s and GB/s as a fraction of the GEMM ceiling of its precision and of the copy ceiling.
+
+Peak memory: on CUDA ``torch.cuda.max_memory_allocated`` reset before each call, less what was allocated
+before it, the largest over a variant's timed calls; on CPU, in a pass of its own after all
 timing (:func:`measure_cpu_peaks`), the growth of the kernel's peak resident set (``VmHWM``, reset
 through ``/proc/self/clear_refs``) over one call, with glibc made to return freed tensors to the system
 (Linux with glibc; n/a elsewhere).
@@ -28,10 +33,13 @@ from typing import Callable, Sequence
 
 import torch
 
+from featlearn.gpu.ceilings import achieved
 from featlearn.metrics.figures import bars_figure, save_png
 
 TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-10}
 """Relative error ``||out - ref|| / ||ref||`` allowed per output: float32 admits TF32 GEMMs (~3e-4)."""
+TF32_TOLERANCE = 1e-2
+"""A TF32 variant's: ~1e-3 per product sum, tripled by a cubic activation; 1e-2 still catches a wrong formula."""
 
 EAGER, COMPILED = "eager", "compiled"
 """The variant names every ratio is taken against (the baseline a user writes, and its torch.compile)."""
@@ -42,6 +50,10 @@ class Variant:
     name: str
     run: Callable[[dict], Sequence[torch.Tensor]]
     """inputs -> outputs (the forward results, then the gradients training needs)."""
+    precision: str | None = None
+    """``ieee``, ``tf32`` or ``fp64``: its GEMM ceiling (None: from the dtype)."""
+    tolerance: float | None = None
+    """None: :data:`TOLERANCE` of the case's dtype."""
 
 
 @dataclass
@@ -58,6 +70,10 @@ class Case:
     """The dtype the variants are checked and timed in."""
     timer: Callable | None = None
     """Optional driver replacing :func:`interleave` (a training step timed inside the Trainer's loop)."""
+    flops: float | None = None
+    """Model FLOPs of one call (the GEMMs the computation needs; recomputation not counted)."""
+    bytes: float | None = None
+    """Fewest bytes one call must move: its inputs read once, its outputs written once."""
 
 
 @dataclass
@@ -70,6 +86,9 @@ class Result:
     seconds: list[float] = field(default_factory=list)
     peak_bytes: int | None = None
     note: str = ""
+    precision: str = ""
+    flops: float | None = None
+    bytes: float | None = None
 
     def record(self, seconds: float, peak_bytes: int | None) -> None:
         """One timed call: its seconds, and the largest peak so far (``None``: no peak measured)."""
@@ -119,9 +138,12 @@ def check(case: Case, device: torch.device, seed: int) -> list[Result]:
             note = ""
         except Exception as err:  # noqa: BLE001 - a variant that cannot run is reported, not fatal
             error, note = float("inf"), f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"
-        passed = error <= TOLERANCE[case.dtype]
+        tolerance = variant.tolerance or TOLERANCE[case.dtype]
+        passed = error <= tolerance
+        precision = variant.precision or ("fp64" if case.dtype == torch.float64 else "ieee")
         results.append(Result(case.name, case.shape, variant.name, error, passed,
-                              note=note or ("" if passed else f"error {error:.1e} > {TOLERANCE[case.dtype]:.0e}")))
+                              note=note or ("" if passed else f"error {error:.1e} > {tolerance:.0e}"),
+                              precision=precision, flops=case.flops, bytes=case.bytes))
     return results
 
 
@@ -257,8 +279,10 @@ def measure_cpu_peaks(cases: list[Case], results: list[Result], seed: int) -> No
 
 
 def run_cases(cases: list[Case], device: torch.device, rounds: int, warmup: int, seed: int,
-              progress: Callable[[str], None] = print) -> list[Result]:
-    """Check, then time, every case; FAILED variants are reported and not timed."""
+              progress: Callable[[str], None] = print,
+              after_case: Callable[[list[Result]], None] | None = None) -> list[Result]:
+    """Check, then time, every case; FAILED variants are reported and not timed. ``after_case(results so
+    far)`` runs after each case (the command writes its tables there, so a run cut short keeps its rows)."""
     results = []
     for case in cases:
         progress(f"{case.name} [{case.shape}]: checking {len(case.variants)} variants against float64")
@@ -269,6 +293,8 @@ def run_cases(cases: list[Case], device: torch.device, rounds: int, warmup: int,
         progress(f"  timing {sum(r.passed for r in checked)} variants, {warmup} warm-up + {rounds} interleaved rounds")
         (case.timer or interleave)(case, checked, device, rounds, warmup, seed)
         results.extend(checked)
+        if after_case is not None:
+            after_case(results)
     if device.type == "cpu":
         progress("peak memory: one more call of each variant")
         measure_cpu_peaks(cases, results, seed)
@@ -293,38 +319,56 @@ def _fmt(x: float, spec: str) -> str:
     return "-" if x != x else format(x, spec)
 
 
-def table(results: list[Result], header: str) -> str:
-    """A markdown table: median, IQR, mean, speed-ups vs eager and vs compiled, peak memory, check error."""
+def rates(r: Result, ceilings: dict[str, float]) -> tuple[float, float, float, float]:
+    """(TFLOP/s, fraction of its GEMM ceiling, GB/s, fraction of the copy ceiling) at the median time."""
+    return achieved(r.flops, r.bytes, r.median_ms / 1e3, r.precision, ceilings)
+
+
+def table(results: list[Result], header: str, ceilings: dict[str, float] | None = None) -> str:
+    """A markdown table: median, IQR, mean, speed-ups vs eager and vs compiled, achieved rates (as a share
+    of the measured ceilings), peak memory, check error."""
     rs = ratios(results)
     lines = [header, "",
              "| case | shape | variant | check (rel. error) | median ms | IQR ms | mean ms | x vs eager | x vs compiled "
-             "| peak MiB |", "|---|---|---|---|---:|---:|---:|---:|---:|---:|"]
+             "| TFLOP/s | % GEMM ceiling | GB/s | % copy ceiling | peak MiB |",
+             "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         status = f"ok {r.error:.0e}" if r.passed else f"FAILED ({r.note})"
         vs_e, vs_c = rs.get((r.case, r.shape, r.variant), (float("nan"), float("nan")))
+        tf, f_gemm, gbs, f_copy = rates(r, ceilings or {})
         peak = "n/a" if r.peak_bytes is None else f"{r.peak_bytes / 2**20:.1f}"
         lines.append(f"| {r.case} | {r.shape} | {r.variant} | {status} | {_fmt(r.median_ms, '.3f')} | "
                      f"{_fmt(r.iqr_ms, '.3f')} | {_fmt(r.mean_ms, '.3f')} | {_fmt(vs_e, '.2f')} | {_fmt(vs_c, '.2f')} | "
+                     f"{_fmt(tf, '.3g')} | {_fmt(100 * f_gemm, '.0f')} | {_fmt(gbs, '.4g')} | {_fmt(100 * f_copy, '.0f')} | "
                      f"{peak if r.seconds else '-'} |")
     return "\n".join(lines)
 
 
-def write(results: list[Result], out: Path, stem: str, header: str) -> list[Path]:
-    """``<stem>.csv``, ``<stem>.md`` and ``<stem>.png`` (speed-up vs eager per case and variant) in ``out``."""
+def write(results: list[Result], out: Path, stem: str, header: str, ceilings: dict[str, float] | None = None,
+          figure: bool = True) -> list[Path]:
+    """``<stem>.csv``, ``<stem>.md`` and (``figure``) ``<stem>.png`` (speed-up vs eager per case and
+    variant) in ``out``."""
     out.mkdir(parents=True, exist_ok=True)
     rs = ratios(results)
     csv_path = out / f"{stem}.csv"
     with csv_path.open("w", newline="") as fh:
         writer = csv.writer(fh)
         writer.writerow(["case", "shape", "variant", "passed", "rel_error", "median_ms", "iqr_ms", "mean_ms",
-                         "speedup_vs_eager", "speedup_vs_compiled", "peak_bytes", "repeats", "note"])
+                         "speedup_vs_eager", "speedup_vs_compiled", "precision", "gflop", "mbytes", "tflops",
+                         "frac_gemm_ceiling", "gbs", "frac_copy_ceiling", "peak_bytes", "repeats", "note"])
         for r in results:
             vs_e, vs_c = rs.get((r.case, r.shape, r.variant), (float("nan"), float("nan")))
+            tf, f_gemm, gbs, f_copy = rates(r, ceilings or {})
             writer.writerow([r.case, r.shape, r.variant, r.passed, f"{r.error:.3e}", f"{r.median_ms:.4f}",
-                             f"{r.iqr_ms:.4f}", f"{r.mean_ms:.4f}", f"{vs_e:.4f}", f"{vs_c:.4f}",
+                             f"{r.iqr_ms:.4f}", f"{r.mean_ms:.4f}", f"{vs_e:.4f}", f"{vs_c:.4f}", r.precision,
+                             "" if r.flops is None else f"{r.flops / 1e9:.4g}",
+                             "" if r.bytes is None else f"{r.bytes / 1e6:.4g}",
+                             f"{tf:.4g}", f"{f_gemm:.4f}", f"{gbs:.4g}", f"{f_copy:.4f}",
                              "" if r.peak_bytes is None else r.peak_bytes, len(r.seconds), r.note])
     md_path = out / f"{stem}.md"
-    md_path.write_text(table(results, header) + "\n")
+    md_path.write_text(table(results, header, ceilings) + "\n")
+    if not figure:
+        return [csv_path, md_path]
     groups: dict[str, dict[str, float]] = {}
     for (case, shape, variant), (vs_e, _) in rs.items():
         groups.setdefault(variant, {})[f"{case}\n" + textwrap.fill(shape, 20)] = vs_e

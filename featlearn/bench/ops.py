@@ -4,8 +4,17 @@ plus elementwise passes), ``torch.compile`` of that eager code, the op's PyTorch
 needs: gradients only of what a training step differentiates (W, not the data; the online branch, not
 the stop-gradient target).
 
-Sizes: ``smoke`` (CI), ``tiny`` (the CPU sizes of the specs), ``medium`` (the specs' GPU sizes). The fused
-ops run with IEEE float32 dots, as the methods run them, so on a GPU they do the eager code's arithmetic.
+Sizes: ``smoke`` (CI), ``tiny`` (the CPU sizes of the specs), ``medium`` (the specs' GPU sizes), ``gpu``
+(CUDA only: the specs' GPU sizes, batch dimensions raised where needed so that each op's call takes
+~1-50 ms on an H100; the sizes ``featlearn gpu check`` part 2 times). The fused ops run with IEEE float32
+dots, as the methods run them, so on a GPU they do the eager code's arithmetic (cuBLAS with TF32 off).
+
+On CUDA every op with dots also gets TF32 variants beside the IEEE ones (``eager tf32``: cuBLAS TF32;
+``featlearn triton tf32``), masked attention an SDPA variant with PyTorch's own kernel choice, and each
+case carries its model FLOPs and fewest bytes, so the tables give achieved TFLOP/s and GB/s (as shares of
+the ceilings ``featlearn gpu check`` measures). At ``gpu`` only the cases in :data:`COMPILED_AT_GPU` get a
+``torch.compile`` variant: each compile costs ~10-30 s, and the check has 5 minutes for all of part 2.
+Inputs are drawn on the device (a CUDA generator on CUDA: the GPU sizes hold GBs of float64 draws).
 """
 from __future__ import annotations
 
@@ -13,58 +22,88 @@ import functools
 
 import torch
 
-from featlearn.bench.harness import COMPILED, EAGER, Case, Variant
+from featlearn.bench.harness import COMPILED, EAGER, TF32_TOLERANCE, Case, Variant
+from featlearn.kernels.backend import cublas_precision
 from featlearn.kernels import (Activation, smoothed_relu, bn_cosine_loss, bn_cosine_loss_reference, infonce_reference,
                                infonce_stopgrad, patch_activation_sum, patch_activation_sum_reference,
                                soft_threshold_layer, soft_threshold_reference)
 from featlearn.kernels.masked_attention import masked_attention
 from featlearn.kernels.smoothed_clamp import smoothed_clamp_layer, smoothed_clamp_reference
 
-SIZES = ("smoke", "tiny", "medium")
+SIZES = ("smoke", "tiny", "medium", "gpu")
 
 # patch_activation_sum: the teacher-student hot loop (spec 000 6.1): smoothed ReLU q=3 rho=0.25, masked
 # student, teacher at tau=1.5 (no grad), masked squares; keep-0.5 mask
 PATCH = {"smoke": dict(B=12, P=5, d=24, R=7), "tiny": dict(B=1000, P=16, d=256, R=30),
-         "medium": dict(B=16384, P=32, d=1024, R=512)}
+         "medium": dict(B=16384, P=32, d=1024, R=512), "gpu": dict(B=16384, P=32, d=1024, R=512)}
 Q, RHO, TAU = 3, 0.25, 1.5
-# soft_threshold (spec 001 1.4): B rows, d1 inputs, m neurons
-SOFT = {"smoke": dict(B=16, d1=24, m=8), "tiny": dict(B=256, d1=256, m=128), "medium": dict(B=1024, d1=2048, m=1024)}
-# bn_cosine_loss (spec 004): N rows, m = 2 (the theory's width) and a wider m
+# soft_threshold (spec 001 1.4): B rows, d1 inputs, m neurons; gpu: the medium encoder's B = K + N = 5120 rows
+SOFT = {"smoke": dict(B=16, d1=24, m=8), "tiny": dict(B=256, d1=256, m=128), "medium": dict(B=1024, d1=2048, m=1024),
+        "gpu": dict(B=5120, d1=2048, m=1024)}
+# bn_cosine_loss (spec 004): N rows, m = 2 (the theory's width) and a wider m; gpu: spec 004's float64
+# N = 8192, m = 2 (launch-bound whatever the size) and a float32 stream of 270 MB
 BN = {"smoke": [dict(N=64, m=2)], "tiny": [dict(N=4096, m=2), dict(N=4096, m=64)],
-      "medium": [dict(N=4096, m=2), dict(N=4096, m=1024)]}
-# infonce_stopgrad (spec 001 1.4): K anchors, N shared negatives, m features
-INFONCE = {"smoke": dict(K=16, N=24, m=8), "tiny": dict(K=256, N=256, m=128), "medium": dict(K=1024, N=4096, m=1024)}
+      "medium": [dict(N=4096, m=2), dict(N=4096, m=1024)],
+      "gpu": [dict(N=8192, m=2, dtype=torch.float64), dict(N=65536, m=1024)]}
+# infonce_stopgrad (spec 001 1.4): K anchors, N shared negatives, m features; gpu: 4x the medium anchors
+INFONCE = {"smoke": dict(K=16, N=24, m=8), "tiny": dict(K=256, N=256, m=128), "medium": dict(K=1024, N=4096, m=1024),
+           "gpu": dict(K=4096, N=4096, m=1024)}
 # masked_attention (spec 002 7.1, MAE dense path): B samples, P keys, Pq = gamma P masked queries (shared rows
 # gathered by index, gamma = 0.75), d = dv; medium ends at the spec's worked example
 ATTN = {"smoke": [dict(B=2, P=24, Pq=18, d=40)], "tiny": [dict(B=8, P=256, Pq=192, d=320)],
-        "medium": [dict(B=64, P=256, Pq=192, d=320), dict(B=64, P=1024, Pq=768, d=1152)]}
+        "medium": [dict(B=64, P=256, Pq=192, d=320), dict(B=64, P=1024, Pq=768, d=1152)],
+        "gpu": [dict(B=64, P=1024, Pq=768, d=1152)]}
 # smoothed_clamp_layer (spec 003a 1.2-1.3): B samples, d inputs, M = 2m neurons, smoothing s = 1/k^2 (steps 1-2);
 # tiny = a minibatch step of Table A.1, medium = a full-batch step (n = 50,000) at Table A.3's d = 2000
-CLAMP = {"smoke": dict(B=16, d=24, M=10), "tiny": dict(B=1000, d=500, M=600), "medium": dict(B=50000, d=2000, M=600)}
+CLAMP = {"smoke": dict(B=16, d=24, M=10), "tiny": dict(B=1000, d=500, M=600), "medium": dict(B=50000, d=2000, M=600),
+         "gpu": dict(B=50000, d=2000, M=600)}
 CLAMP_S = 0.04
 OPS = ("patch_activation_sum", "soft_threshold", "bn_cosine_loss", "infonce_stopgrad", "masked_attention",
        "smoothed_clamp")
+COMPILED_AT_GPU = ("patch_activation_sum", "soft_threshold", "masked_attention fwd+bwd")
+"""The cases that keep a torch.compile variant at ``--size gpu`` (the compile budget, see the docstring)."""
 
 
-def _gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
+def _gen(seed: int, device: torch.device = torch.device("cpu")) -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(seed)
 
 
 def _randn(g, *shape, dtype, device, scale=1.0):
-    return (scale * torch.randn(*shape, generator=g, dtype=torch.float64)).to(device, dtype)
+    return (scale * torch.randn(*shape, generator=g, dtype=torch.float64, device=g.device)).to(device, dtype)
 
 
 def _grads(loss: torch.Tensor, wrt: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
     return torch.autograd.grad(loss, wrt)
 
 
-def _variants(eager, forward, featlearn, device: torch.device) -> list[Variant]:
-    """eager, torch.compile(eager), the op's torch backend and, on CUDA, its Triton backend."""
-    out = [Variant(EAGER, eager), Variant(COMPILED, _compiled(eager, forward)),
-           Variant("featlearn torch", functools.partial(featlearn, backend="torch"))]
-    if device.type == "cuda":
-        out.append(Variant("featlearn triton", functools.partial(featlearn, backend="triton")))
-    return out
+def _at(precision: str, run):
+    """``run`` with PyTorch's CUDA GEMMs at ``precision`` (IEEE: TF32 off, whatever the global flag says)."""
+    def call(inp):
+        with cublas_precision(precision):
+            return run(inp)
+    return call
+
+
+def _variants(eager, forward, featlearn, device: torch.device, compiled: bool = True, dots: bool = True) -> list[Variant]:
+    """eager, torch.compile(eager) (``compiled``), the op's torch backend and, on CUDA, its Triton backend;
+    on CUDA with ``dots`` the TF32 variants too, and every CUDA variant at an explicit precision."""
+    if device.type != "cuda":
+        return [Variant(EAGER, eager), *([Variant(COMPILED, _compiled(eager, forward))] if compiled else []),
+                Variant("featlearn torch", functools.partial(featlearn, backend="torch"))]
+    tf32 = dict(precision="tf32", tolerance=TF32_TOLERANCE)
+    out = [Variant(EAGER, _at("ieee", eager))]
+    out += [Variant("eager tf32", _at("tf32", eager), **tf32)] if dots else []
+    out += [Variant(COMPILED, _at("ieee", _compiled(eager, forward)))] if compiled else []
+    out.append(Variant("featlearn torch", _at("ieee", functools.partial(featlearn, backend="torch"))))
+    if not dots:
+        return out + [Variant("featlearn triton", functools.partial(featlearn, backend="triton"))]
+    return out + [Variant("featlearn triton", functools.partial(featlearn, backend="triton", precision="ieee")),
+                  Variant("featlearn triton tf32", functools.partial(featlearn, backend="triton", precision="tf32"),
+                          **tf32)]
+
+
+def _compile(size: str, case: str) -> bool:
+    return size != "gpu" or case in COMPILED_AT_GPU
 
 
 def _compiled(run, forward):
@@ -96,9 +135,9 @@ def patch_eager(inp, forward=_patch_eager_forward):
     return _patch_loss_and_grad(s, t, q, inp["w"], inp["gs"], inp["gq"])
 
 
-def patch_featlearn(inp, backend):
+def patch_featlearn(inp, backend, precision="ieee"):
     s, t, q = patch_activation_sum(inp["x"], inp["w"], Activation("srelu", q=Q, rho=RHO), mask=inp["mask"],
-                                   teacher_scale=TAU, squares=True, backend=backend, input_precision="ieee")
+                                   teacher_scale=TAU, squares=True, backend=backend, input_precision=precision)
     return _patch_loss_and_grad(s, t, q, inp["w"], inp["gs"], inp["gq"])
 
 
@@ -112,15 +151,18 @@ def patch_case(size: str, device: torch.device) -> Case:
     B, P, d, R = (PATCH[size][k] for k in "BPdR")
 
     def inputs(dtype, dev, seed):
-        g = _gen(seed)
+        g = _gen(seed, dev)
         return {"x": _randn(g, B, P, d, dtype=dtype, device=dev),  # the data: no gradient
                 "w": _randn(g, R, d, dtype=dtype, device=dev, scale=0.5 / d ** 0.5).requires_grad_(True),
-                "mask": (torch.rand(B, P, generator=g) < 0.5).to(dev, dtype),
+                "mask": (torch.rand(B, P, generator=g, device=dev) < 0.5).to(dev, dtype),
                 "gs": _randn(g, B, R, dtype=dtype, device=dev), "gq": _randn(g, B, R, dtype=dtype, device=dev)}
 
+    # model FLOPs: the forward GEMM A = x w^T (teacher and squares read the same A) and dW = dA^T x;
+    # bytes: x, w, mask, g_s, g_q read, the three sums and dW written (docs/performance.md)
     return Case("patch_activation_sum", f"B={B} P={P} d={d} R={R}",
-                _variants(patch_eager, _patch_eager_forward, patch_featlearn, device),
-                inputs, patch_reference)
+                _variants(patch_eager, _patch_eager_forward, patch_featlearn, device,
+                          _compile(size, "patch_activation_sum")),
+                inputs, patch_reference, flops=4 * B * P * d * R, bytes=4 * (B * P * d + 2 * R * d + B * P + 5 * B * R))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -133,8 +175,8 @@ def soft_eager(inp, forward=_soft_eager_forward):
     return h.detach(), *_grads((h * inp["g"]).sum(), [inp["w"]])
 
 
-def soft_featlearn(inp, backend):
-    h = soft_threshold_layer(inp["x"], inp["w"], inp["b"], backend=backend, input_precision="ieee")
+def soft_featlearn(inp, backend, precision="ieee"):
+    h = soft_threshold_layer(inp["x"], inp["w"], inp["b"], backend=backend, input_precision=precision)
     return h.detach(), *_grads((h * inp["g"]).sum(), [inp["w"]])
 
 
@@ -142,15 +184,16 @@ def soft_case(size: str, device: torch.device) -> Case:
     B, d1, m = (SOFT[size][k] for k in ("B", "d1", "m"))
 
     def inputs(dtype, dev, seed):
-        g = _gen(seed)
+        g = _gen(seed, dev)
         return {"x": _randn(g, B, d1, dtype=dtype, device=dev),  # data and the scheduled bias: no gradient
                 "w": _randn(g, m, d1, dtype=dtype, device=dev, scale=d1 ** -0.5).requires_grad_(True),
-                "b": (0.3 * torch.rand(m, generator=g, dtype=torch.float64)).to(dev, dtype),
+                "b": (0.3 * torch.rand(m, generator=g, dtype=torch.float64, device=dev)).to(dev, dtype),
                 "g": _randn(g, B, m, dtype=dtype, device=dev)}
 
+    # forward GEMM x W^T and grad_W = G^T x (no grad_x: the data); x, W, b, G read, h and grad_W written
     return Case("soft_threshold", f"B={B} d1={d1} m={m}",
-                _variants(soft_eager, _soft_eager_forward, soft_featlearn, device), inputs,
-                soft_eager)
+                _variants(soft_eager, _soft_eager_forward, soft_featlearn, device, _compile(size, "soft_threshold")),
+                inputs, soft_eager, flops=4 * B * d1 * m, bytes=4 * (B * d1 + 2 * m * d1 + m + 2 * B * m))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -171,17 +214,18 @@ def bn_featlearn(inp, backend):
 def bn_cases(size: str, device: torch.device) -> list[Case]:
     cases = []
     for shape in BN[size]:
-        N, m = shape["N"], shape["m"]
+        N, m, dtype = shape["N"], shape["m"], shape.get("dtype", torch.float32)
 
         def inputs(dtype, dev, seed, N=N, m=m):
-            g = _gen(seed)
+            g = _gen(seed, dev)
             p = _randn(g, N, m, dtype=dtype, device=dev)
             z = 0.5 * p + _randn(g, N, m, dtype=dtype, device=dev)  # the stop-gradient target
             return {"p": p.requires_grad_(True), "z": z}
 
-        cases.append(Case("bn_cosine_loss", f"N={N} m={m}",
-                          _variants(bn_eager, _bn_eager_forward, bn_featlearn, device), inputs,
-                          bn_eager))
+        # no GEMM (FLOPs negligible); p and z read, dp written
+        cases.append(Case("bn_cosine_loss", f"N={N} m={m}" + (", float64" if dtype == torch.float64 else ""),
+                          _variants(bn_eager, _bn_eager_forward, bn_featlearn, device, _compile(size, "bn_cosine_loss"),
+                                    dots=False), inputs, bn_eager, dtype=dtype, bytes=3 * N * m * dtype.itemsize))
     return cases
 
 
@@ -205,15 +249,26 @@ def infonce_case(size: str, device: torch.device) -> Case:
     K, N, m = (INFONCE[size][k] for k in "KNm")
 
     def inputs(dtype, dev, seed):
-        g = _gen(seed)
+        g = _gen(seed, dev)
         s = m ** -0.5
         return {"ha": _randn(g, K, m, dtype=dtype, device=dev, scale=s).requires_grad_(True),
                 "hq": _randn(g, K, m, dtype=dtype, device=dev, scale=s),
                 "hn": _randn(g, N, m, dtype=dtype, device=dev, scale=s), "tau": 3.5}
 
-    variants = [Variant(EAGER, infonce_eager), Variant(COMPILED, _compiled(infonce_eager, _infonce_eager_forward)),
-                Variant("featlearn torch", functools.partial(infonce_featlearn, backend="torch"))]
-    return Case("infonce_stopgrad", f"K={K} N={N} m={m}", variants, inputs, infonce_eager)
+    torch_variant = functools.partial(infonce_featlearn, backend="torch")
+    variants = [Variant(EAGER, infonce_eager),
+                *([Variant(COMPILED, _compiled(infonce_eager, _infonce_eager_forward))]
+                  if _compile(size, "infonce_stopgrad") else []),
+                Variant("featlearn torch", torch_variant)]
+    if device.type == "cuda":  # one backend, on cuBLAS: IEEE and TF32 of the eager loss and of the streamed one
+        tf32 = dict(precision="tf32", tolerance=TF32_TOLERANCE)
+        variants = [Variant(v.name, _at("ieee", v.run)) for v in variants] + [
+            Variant("eager tf32", _at("tf32", infonce_eager), **tf32),
+            Variant("featlearn torch tf32", _at("tf32", torch_variant), **tf32)]
+    # similarities (2 K N m) and the weighted sum of negatives in grad h_a (2 K N m); h_a, h_q, h_n read,
+    # grad h_a written
+    return Case("infonce_stopgrad", f"K={K} N={N} m={m}", variants, inputs, infonce_eager,
+                flops=4 * K * N * m, bytes=4 * (3 * K * m + N * m))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -236,9 +291,17 @@ def attn_eager(inp, backward, forward=_attn_eager_forward):
     return _attn_outputs(forward(inp["rows"], inp["idx"], inp["keys"], inp["values"]), inp, backward)
 
 
-def attn_featlearn(inp, backward, backend):
+def _attn_sdpa_auto_forward(rows, idx, keys, values):
+    """SDPA with PyTorch's own kernel choice (a fused kernel where one takes float32 at this head size, else
+    math), as a user on CUDA would call it: one head, scale 1."""
+    out = torch.nn.functional.scaled_dot_product_attention(rows[idx].unsqueeze(1), keys.unsqueeze(1),
+                                                           values.unsqueeze(1), scale=1.0)
+    return out.squeeze(1)
+
+
+def attn_featlearn(inp, backward, backend, precision="ieee"):
     out, _ = masked_attention(inp["rows"], inp["keys"], inp["values"], inp["idx"], backend=backend,
-                              input_precision="ieee")
+                              input_precision=precision)
     return _attn_outputs(out, inp, backward)
 
 
@@ -249,9 +312,9 @@ def attn_cases(size: str, device: torch.device) -> list[Case]:
         B, P, Pq, d = (shape[k] for k in ("B", "P", "Pq", "d"))
 
         def inputs(dtype, dev, seed, B=B, P=P, Pq=Pq, d=d):
-            g = _gen(seed)
+            g = _gen(seed, dev)
             return {"rows": _randn(g, P, d, dtype=dtype, device=dev, scale=2 * d ** -0.5).requires_grad_(True),
-                    "idx": torch.rand(B, P, generator=g).argsort(1)[:, :Pq].to(dev),  # the masked positions
+                    "idx": torch.rand(B, P, generator=g, device=dev).argsort(1)[:, :Pq],  # the masked positions
                     "keys": _randn(g, B, P, d, dtype=dtype, device=dev),
                     "values": _randn(g, B, P, d, dtype=dtype, device=dev),
                     "g": _randn(g, B, Pq, d, dtype=dtype, device=dev)}
@@ -259,13 +322,21 @@ def attn_cases(size: str, device: torch.device) -> list[Case]:
         # model FLOPs: the forward's two GEMMs, the backward's two (dO V^T, dS K); the fused backward also
         # recomputes S (+2 B Pq P d), not counted
         gflop = 4 * B * Pq * P * d / 1e9
+        # bytes: keys, values, the rows and the index read, the output written; backward: dO read, d rows written
+        fwd_bytes = 4 * (2 * B * P * d + P * d + B * Pq * d) + 8 * B * Pq
         for backward, what in ((False, f"fwd {gflop:.3g} GFLOP"), (True, f"fwd+bwd {2 * gflop:.3g} GFLOP")):
             eager = functools.partial(attn_eager, backward=backward)
+            compiled = _compile(size, "masked_attention " + ("fwd+bwd" if backward else "fwd"))
             variants = _variants(eager, _attn_eager_forward, functools.partial(attn_featlearn, backward=backward),
-                                 device)
+                                 device, compiled)
             variants.append(Variant("sdpa math", functools.partial(attn_eager, backward=backward,
                                                                    forward=_attn_sdpa_forward)))
-            cases.append(Case("masked_attention", f"B={B} P={P} Pq={Pq} d={d}, {what}", variants, inputs, eager))
+            if device.type == "cuda":
+                variants.append(Variant("sdpa", _at("ieee", functools.partial(attn_eager, backward=backward,
+                                                                              forward=_attn_sdpa_auto_forward))))
+            cases.append(Case("masked_attention", f"B={B} P={P} Pq={Pq} d={d}, {what}", variants, inputs, eager,
+                              flops=gflop * 1e9 * (2 if backward else 1),
+                              bytes=fwd_bytes + (4 * (B * Pq * d + P * d) if backward else 0)))
     return cases
 
 
@@ -279,8 +350,8 @@ def clamp_eager(inp, forward=_clamp_eager_forward):
     return h.detach(), *_grads((h * inp["g"]).sum(), [inp["w"], inp["b"]])
 
 
-def clamp_featlearn(inp, backend):
-    h = smoothed_clamp_layer(inp["x"], inp["w"], inp["b"], CLAMP_S, backend=backend, input_precision="ieee")
+def clamp_featlearn(inp, backend, precision="ieee"):
+    h = smoothed_clamp_layer(inp["x"], inp["w"], inp["b"], CLAMP_S, backend=backend, input_precision=precision)
     return h.detach(), *_grads((h * inp["g"]).sum(), [inp["w"], inp["b"]])
 
 
@@ -288,17 +359,20 @@ def clamp_case(size: str, device: torch.device) -> Case:
     B, d, M = (CLAMP[size][k] for k in ("B", "d", "M"))
 
     def inputs(dtype, dev, seed):
-        g = _gen(seed)  # unit-variance inputs and w ~ N(0, 1/d): pre-activations O(1), across the ramp [0, 1]
+        g = _gen(seed, dev)  # unit-variance inputs and w ~ N(0, 1/d): pre-activations O(1), across the ramp [0, 1]
         return {"x": _randn(g, B, d, dtype=dtype, device=dev),
                 "w": _randn(g, M, d, dtype=dtype, device=dev, scale=d ** -0.5).requires_grad_(True),
                 "b": _randn(g, M, dtype=dtype, device=dev, scale=0.5).requires_grad_(True),
                 "g": _randn(g, B, M, dtype=dtype, device=dev)}
 
+    # forward GEMM and grad_W; x, w, b, G read, h, grad_w, grad_b written
     return Case("smoothed_clamp", f"B={B} d={d} M={M} s={CLAMP_S}",
-                _variants(clamp_eager, _clamp_eager_forward, clamp_featlearn, device), inputs, clamp_eager)
+                _variants(clamp_eager, _clamp_eager_forward, clamp_featlearn, device, _compile(size, "smoothed_clamp")),
+                inputs, clamp_eager, flops=4 * B * d * M, bytes=4 * (B * d + 2 * M * d + 2 * M + 2 * B * M))
 
 
 def cases(ops: list[str], size: str, device: torch.device) -> list[Case]:
+    """The cases of ``ops`` at ``size``, in the order of ``ops``."""
     build = {"patch_activation_sum": lambda: [patch_case(size, device)],
              "soft_threshold": lambda: [soft_case(size, device)],
              "bn_cosine_loss": lambda: bn_cases(size, device),

@@ -29,7 +29,13 @@ of sampling per step on 2 cores; seed 002: configs/vit/mae.yaml and cl.yaml with
 its CPU default, the structured path; seed 003 ch. 2: a stage-3 step of configs/two_layer/network.yaml on
 data_parity.yaml, B = 1000, d = 500, 2m = 600, through ``schedule: plain`` whose every step is a stage-3
 step; seed 003 ch. 7: configs/universality/universal.yaml + data_tiny.yaml),
-``smoke`` = a few-second version of each for CI.
+``smoke`` = a few-second version of each for CI; ``gpu`` (CUDA only, :data:`GPU_METHODS`) = the specs'
+one-GPU sizes: MRP at spec 000 medium (configs/mrp/teacher_student_medium.yaml + data_medium.yaml: k = 64,
+m = 8, R = 512, d = 1024, P = 32, full batch N = 16384) and contrastive learning at spec 001 medium
+(d = 256, d1 = 2048, m = 1024, K = 1024 anchors, 4096 shared negatives), without the ``plain compiled``
+variant (:data:`COMPILED_AT_GPU`: a compile of a loss and its backward costs ~20-40 s of the check's
+5 minutes, and ``bench op --size gpu`` already holds torch.compile against the same GEMMs). A case
+carries its model FLOPs (the step's GEMMs), so the tables give achieved TFLOP/s.
 
 This module is the harness glue (the Trainer clock that interleaves the variants, the float64 one-step
 check); the methods and their plain loops are in :mod:`featlearn.bench.step_methods`.
@@ -43,11 +49,44 @@ import lightning as L
 import torch
 
 from featlearn.bench.harness import COMPILED, EAGER, Case, Meter, Result, Variant
-from featlearn.bench.step_methods import METHODS, SIZES, Method, method
+from featlearn.bench import step_methods
+from featlearn.bench.step_methods import METHODS, Method, method
 from featlearn.callbacks import DivergenceGuard
+from featlearn.datamodules.multiview import MultiViewDataModule
+from featlearn.datamodules.sparse_coding import SparseCodingDataModule
+from featlearn.lightning_modules.contrastive import ContrastiveModule
+from featlearn.lightning_modules.mrp import TeacherStudentMRP
 
-__all__ = ["METHODS", "SIZES", "cases", "step_case"]
+__all__ = ["METHODS", "SIZES", "GPU_METHODS", "cases", "step_case"]
 FEATLEARN = "featlearn"
+SIZES = (*step_methods.SIZES, "gpu")
+GPU_METHODS = ("mrp", "contrastive")
+COMPILED_AT_GPU = ()
+# configs/mrp/teacher_student_medium.yaml + data_medium.yaml (spec 000 section 1.6 medium)
+_MRP_MEDIUM = dict(k=64, d=1024, P=32, C_p=2, s=3.0, mu=0.2, rho=0.1, sigma_p=0.003, gamma=0.00016, num_pretrain=16384,
+                   num_downstream=4096, num_test=4096)
+_MRP_MEDIUM_MODEL = dict(theta=0.5, loss="expected", q=3, rho=0.25, sigma0=0.01, m=8, lr=30.0, norm_cap=1.0,
+                         stop_after_capture=500, backend="auto")
+# spec 001 section 1.6 medium on configs/contrastive/random_mask.yaml (m = width_mult d = 1024, lr 1.0)
+_CON_MEDIUM = dict(d=256, d1=2048, dictionary="random", augment="random_mask", num_negatives=4096, negatives="shared",
+                   mode="online", batch_size=1024, num_val=8000, num_test=4000)
+_CON_MEDIUM_MODEL = dict(width_mult=4.0, lr=1.0, bias_mode="schedule", seed=0, backend="auto")
+
+
+def gpu_method(name: str) -> tuple[Method, float]:
+    """The ``gpu`` size of a method of :data:`GPU_METHODS` and its model FLOPs per step (its GEMMs)."""
+    if name == "mrp":  # forward A = x W^T and dW (the teacher reads the same A): 4 N P d R, R = k m
+        d = _MRP_MEDIUM
+        return (step_methods.MRP("mrp", torch.float32, 20, MultiViewDataModule, d, TeacherStudentMRP,
+                                 _MRP_MEDIUM_MODEL, ("weight",)),
+                4 * d["num_pretrain"] * d["P"] * d["d"] * d["k"] * _MRP_MEDIUM_MODEL["m"])
+    if name == "contrastive":  # the encoder on anchors, positives and negatives; grad_W on the anchors
+        d = _CON_MEDIUM
+        m, rows = 4 * d["d"], 2 * d["batch_size"] + d["num_negatives"]
+        return (step_methods.Contrastive("contrastive", torch.float32, 25, SparseCodingDataModule, d, ContrastiveModule,
+                                         _CON_MEDIUM_MODEL, ("w",)),
+                2 * rows * d["d1"] * m + 2 * d["batch_size"] * d["d1"] * m)
+    raise ValueError(f"no gpu size for {name!r}: one of {', '.join(GPU_METHODS)}")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -158,7 +197,7 @@ def _timer(spec: Method):
     return time_steps
 
 
-def step_case(spec: Method, device: torch.device) -> Case:
+def step_case(spec: Method, device: torch.device, compiled: bool = True, flops: float | None = None) -> Case:
     def variant(compiled: bool | None):
         def run(inputs):
             if compiled is None:
@@ -169,10 +208,17 @@ def step_case(spec: Method, device: torch.device) -> Case:
     def reference(inputs):
         return plain_one_step(spec, inputs["seed"], device, torch.float64, False)
 
+    precision = "fp64" if spec.dtype == torch.float64 else "ieee"  # timed in spec.dtype (checked in float64)
+
     return Case(spec.name, f"{spec.shape()}, {str(spec.dtype).removeprefix('torch.')}",
-                [Variant(FEATLEARN, variant(None)), Variant(EAGER, variant(False)), Variant(COMPILED, variant(True))],
-                lambda dtype, dev, seed: {"seed": seed}, reference, dtype=torch.float64, timer=_timer(spec))
+                [Variant(FEATLEARN, variant(None), precision), Variant(EAGER, variant(False), precision),
+                 *([Variant(COMPILED, variant(True), precision)] if compiled else [])],
+                lambda dtype, dev, seed: {"seed": seed}, reference, dtype=torch.float64, timer=_timer(spec),
+                flops=flops)
 
 
 def cases(methods: list[str], size: str, device: torch.device) -> list[Case]:
+    if size == "gpu":
+        return [step_case(spec, device, name in COMPILED_AT_GPU, flops)
+                for name in methods for spec, flops in [gpu_method(name)]]
     return [step_case(spec, device) for name in methods for spec in method(name, size)]

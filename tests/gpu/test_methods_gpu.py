@@ -1,0 +1,244 @@
+"""Each method's training step on the GPU equals its CPU float64 step; a 1-rank DDP run equals the plain run;
+``bn_cosine_loss(sync=True)`` under a 1-rank process group equals ``sync=False``.
+
+* Step: the module and its DataModule come from the method's run config (``featlearn.cli.make_cli``, as
+  ``lightning fit --config`` builds them; dry mode adds tiny data overrides). One optimisation step through the
+  module's own ``optimizer_step`` hook (``training_step``, backward, the update and ``finish_step``; what
+  ``featlearn bench step`` checks), once on the CPU in float64 (backend ``auto``: PyTorch) and once on the GPU
+  (backend ``auto``: Triton) in the method's dtype: float32 with IEEE products, float64 for seed 004, whose data
+  is float64. Both start from the same state and batch (the Trainer's first), rounded to the GPU run's dtype;
+  every floating tensor of the state dict is compared after the step. In dry mode the "GPU" run is the CPU in
+  float32 with ``backend="triton"`` (the interpreter): the plumbing of the path a GPU run takes.
+* DDP: two steps of ``Trainer.fit`` with ``strategy=ddp`` on one device (nccl; gloo in dry mode) against the
+  same fit without a strategy, from the same module (``DDP_METHODS``).
+* bn sync: the loss and its gradient with ``sync=True`` under a 1-rank group (the statistics gathered and
+  merged; ``bn_column_stats`` shares that path).
+"""
+import copy
+import os
+import socket
+import warnings
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+import torch.distributed as dist
+from lightning.pytorch.strategies import DDPStrategy
+
+from featlearn.cli import make_cli
+from featlearn.kernels import bn_cosine_loss
+
+pytestmark = pytest.mark.gpu
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+# error relative to the step's parameter change: float32 rounding through a few products and reductions
+# (CPU float32 against float64, dry and config sizes: <= 3e-6 of the change; the GPU's sequential FMA sums
+# may add ~10x); 1e-4 leaves that margin and sits under a TF32 GEMM's ~3e-4. float64: 1e-9 (~1e-14 expected).
+STEP_RTOL = {torch.float32: 1e-4, torch.float64: 1e-9}
+# plus rounding of the stored values: a few ulps of the tensor's norm (the update may be far smaller)
+ULPS = 8
+
+
+def over(data=(), model=()) -> list[str]:
+    """Command-line overrides: ``--data.init_args.<name> <value>``, ``--model.init_args.<name> <value>``."""
+    return [arg for part, values in (("data", dict(data)), ("model", dict(model))) for name, value in values.items()
+            for arg in (f"--{part}.init_args.{name}", "null" if value is None else str(value))]
+
+
+MRP = over(dict(k=4, d=32, P=10, num_pretrain=32, num_downstream=16, num_test=16), dict(m=2))
+SPARSE = over(dict(d=8, d1=32, num_negatives=16, batch_size=8, num_val=16, num_test=16), dict(width=8))
+PATCHES = over(dict(dim=12, num_patches=8, num_feature_patches=2, batch_size=16, num_val=8, num_test=8))
+VIT = dict(P=16, kappa_c=0.75, kappa_s=0.5, batch_size=2, num_val=8, num_test=8)  # the op: ~0.1 s a tile
+PARITY = dict(dim=24, num_patterns=12, k=3, batch_size=16, num_train=64, num_val=16, num_test=16)
+HIDDEN = over(dict(T=2, s=2, r=4, u=2, batch_size=32, num_test=16), dict(probe_repeats=1))
+T = dict(steps=600)  # the schedule's T: the config's trainer.max_steps (no Trainer here)
+
+# name: (run config, dry-mode overrides[, CUDA overrides]). On CUDA the config's own sizes (its main job's).
+METHODS = {
+    "mrp_teacher_student": ("mrp/teacher_student.yaml", MRP),
+    "mrp_teacher_student_mc": ("mrp/teacher_student_mc.yaml", MRP),
+    "mrp_mae": ("mrp/mae.yaml", MRP),
+    "mrp_supervised": ("mrp/supervised.yaml", MRP),
+    "contrastive": ("contrastive/random_mask.yaml", SPARSE),
+    "contrastive_learned_bias": ("contrastive/learned_bias.yaml", SPARSE),
+    "noncontrastive_sample": ("noncontrastive/with_head.yaml", PATCHES),
+    "noncontrastive_population": ("noncontrastive/with_head_population.yaml", PATCHES),
+    "noncontrastive_ema": ("noncontrastive/ema_target.yaml", PATCHES),
+    "vit_mae": ("vit/mae.yaml", over(dict(VIT, K=2))),
+    "vit_mae_dense": ("vit/mae_dense.yaml", over(dict(VIT, K=2))),
+    "vit_cl": ("vit/cl.yaml", over(dict(VIT, K=4, d=None))),  # K (1 - gamma0) > 1.5: no collapse warning
+    # ch. 2's steps 1-2 are full-batch: on CUDA 10k of the 50k samples keep the CPU float64 step short
+    "two_layer": ("two_layer/network.yaml", over(PARITY, dict(width=8, **T)), over(dict(num_train=10000), T)),
+    "two_layer_ntk": ("two_layer/ntk.yaml", over(PARITY, dict(width=8, **T)), over(dict(num_train=10000), T)),
+    "universality": ("universality/universal.yaml", HIDDEN),
+    "universality_infonce": ("universality/infonce.yaml", HIDDEN),
+    "contrastive_regularization": ("universality/cr.yaml", HIDDEN),
+}
+# the 1-rank DDP run: at one rank the methods skip their own collectives (world size 1), so what it checks
+# is DDP itself on nccl around the fused ops: the initial broadcast of parameters and buffers and the
+# gradient all-reduce, in float32 (contrastive: soft threshold; vit_cl: attention) and float64
+# (noncontrastive: patch sums, bn loss)
+DDP_METHODS = ("contrastive", "noncontrastive_sample", "vit_cl")
+
+
+def build(name: str, device: torch.device, extra=()):
+    """The module (built) and DataModule of a method's run config, as ``lightning fit --config`` makes them."""
+    config, tiny, *cuda = METHODS[name]
+    args = ["--config", str(CONFIGS / config), "--trainer.logger", "false", "--trainer.accelerator", "cpu",
+            "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
+            *(tiny if device.type == "cpu" else cuda[0] if cuda else []), *extra]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cli = make_cli(args, run=False)
+    return cli.model.attach(cli.datamodule), cli.datamodule
+
+
+def _floats(batch: dict, device, dtype, via) -> dict:
+    """The batch on ``device``, floating tensors rounded to ``via`` first (the GPU run's dtype) then ``dtype``."""
+    return {k: v.to(via).to(device, dtype) if v.is_floating_point() else v.to(device) for k, v in batch.items()}
+
+
+def one_step(model, batch: dict) -> None:
+    """One optimisation step through the module's own hook, as the Trainer calls it (the bench's check)."""
+    optimizer = model.configure_optimizers()
+    optimizer = optimizer["optimizer"] if isinstance(optimizer, dict) else optimizer
+    optimizer = optimizer[0] if isinstance(optimizer, (list, tuple)) else optimizer
+
+    def closure():
+        optimizer.zero_grad()
+        loss = model.training_step(batch, 0)
+        loss.backward()
+        return loss
+
+    with warnings.catch_warnings():  # without a Trainer, ``self.log`` warns that there is nowhere to log
+        warnings.simplefilter("ignore")
+        model.optimizer_step(0, 0, optimizer, closure)
+
+
+def compare_states(got: dict, want: dict, before: dict, dtype: torch.dtype, label: str) -> dict:
+    """Each floating tensor within ``STEP_RTOL`` of the reference's change plus ``ULPS`` of its norm; NaN where
+    the reference has NaN (a clock not yet fired); the rest equal. Returns the failures."""
+    bad, used = {}, {}
+    for key, ref in want.items():
+        value = got[key].detach().cpu()
+        if not ref.is_floating_point():
+            if not torch.equal(value, ref):
+                bad[key] = "differs"
+            continue
+        value, ref, init = value.double(), ref.detach().double(), before[key].double()
+        nan = torch.isnan(ref)
+        if not torch.equal(torch.isnan(value), nan) or not torch.isfinite(value[~nan]).all():
+            bad[key] = "NaN/inf where the float64 step has none (or none where it has)"
+            continue
+        value, ref, init = value[~nan], ref[~nan], init[~nan].nan_to_num(0.0)  # a clock that fired: all change
+        err, change = float((value - ref).norm()), float((ref - init).norm())
+        allowed = STEP_RTOL[dtype] * change + ULPS * torch.finfo(dtype).eps * float(ref.norm())
+        used[key] = f"{err / allowed:.1e}" if allowed > 0 else f"{err:.1e}"
+        if not err <= allowed:
+            bad[key] = f"error {err:.2e} > {allowed:.2e} (change {change:.2e}, norm {float(ref.norm()):.2e})"
+    print(label, "error / allowed:", used)  # pytest -rP shows them
+    return bad
+
+
+def _state(model) -> dict:
+    return {k: v.detach().clone().cpu() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_step_matches_cpu_float64(gpu_device, name):
+    model, dm = build(name, gpu_device)
+    dtype = next(model.parameters()).dtype  # the method's dtype (float64 data: float64 parameters)
+    # the Trainer's first batch: the loader's indices, generated by the DataModule's hook (masks included)
+    batch = dm.on_after_batch_transfer(next(iter(dm.train_dataloader())), 0)
+    before = _state(model)  # the GPU run's state; the float64 one holds the same values
+
+    ref = copy.deepcopy(model).to(dtype=torch.float64)
+    one_step(ref, _floats(batch, "cpu", torch.float64, dtype))
+    run = copy.deepcopy(model)
+    if gpu_device.type == "cpu" and "backend" in model.hparams:
+        # dry mode: the path the GPU run takes (backend auto is Triton on CUDA), through the interpreter
+        run = build(name, gpu_device, ["--model.init_args.backend", "triton"])[0]
+        run.load_state_dict(model.state_dict())
+    one_step(run.to(gpu_device), _floats(batch, gpu_device, dtype, dtype))
+
+    got, want = _state(run), _state(ref)
+    assert got.keys() == want.keys()
+    assert any(not torch.equal(want[k].double(), before[k].double()) for k, _ in ref.named_parameters()), \
+        "the step changed no parameter: nothing to compare"
+    bad = compare_states(got, want, before, dtype, name)
+    assert not bad, f"{name} ({dtype}) on {gpu_device} vs CPU float64: {bad}"
+
+
+# ---------------------------------------------------------------------------------------------------
+# one-rank DDP and synced statistics
+# ---------------------------------------------------------------------------------------------------
+def _backend(device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def clean_process_state():
+    """Lightning's DDP sets the rank variables in ``os.environ`` and leaves its process group up: undone after."""
+    environ = dict(os.environ)
+    yield
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(environ)
+
+
+def _fit(model, dm, device, strategy, steps: int):
+    trainer = L.Trainer(accelerator="gpu" if device.type == "cuda" else "cpu", devices=1, strategy=strategy,
+                        max_steps=steps, max_epochs=-1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                        limit_val_batches=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(model, datamodule=dm)
+    assert trainer.global_step == steps
+    return _state(model)
+
+
+@pytest.mark.parametrize("name", DDP_METHODS)
+def test_one_rank_ddp_matches_plain_run(gpu_device, clean_process_state, name):
+    model, dm = build(name, gpu_device)
+    before = _state(model)
+    plain = _fit(copy.deepcopy(model), copy.deepcopy(dm), gpu_device, "auto", 2)
+    ddp = _fit(copy.deepcopy(model), copy.deepcopy(dm), gpu_device,
+               DDPStrategy(process_group_backend=_backend(gpu_device)), 2)
+    assert ddp.keys() == plain.keys()
+    dtype = next(model.parameters()).dtype
+    bad = compare_states(ddp, plain, before, dtype, name)  # the same device and dtype: ~atomics' reordering at most
+    assert not bad, f"{name}: 1-rank {_backend(gpu_device)} DDP vs plain run: {bad}"
+
+
+# the synced path gathers float64 statistics (bn) or sums (l2) whatever the inputs' dtype: one dtype each,
+# noncontrastive's float64 for bn
+@pytest.mark.parametrize("out_norm,dtype", [("bn", torch.float64), ("l2", torch.float32)], ids=["bn-fp64", "l2-fp32"])
+def test_bn_cosine_sync_on_one_rank_matches_unsynced(gpu_device, pick, clean_process_state, out_norm, dtype):
+    dist.init_process_group(_backend(gpu_device), init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
+                            world_size=1)
+    n, m = pick((4096, 512), (19, 6))
+    gen = torch.Generator(device=gpu_device).manual_seed(5)
+    p = torch.randn(n, m, generator=gen, device=gpu_device, dtype=dtype) * 3 + 1
+    z = 0.5 * p + torch.randn(n, m, generator=gen, device=gpu_device, dtype=dtype)
+    results = []
+    for sync in (True, False):
+        pr = p.clone().requires_grad_()
+        loss = bn_cosine_loss(pr, z, out_norm=out_norm, eps=0.01, sync=sync, backend="triton")
+        (grad,) = torch.autograd.grad(loss, (pr,))
+        results.append({"loss": loss.detach(), "grad": grad})
+    synced, alone = results
+    tol = 1e-6 if dtype == torch.float32 else 1e-12  # one rank's merge: a division by its own count at most
+    for key, want in alone.items():
+        got = synced[key].to(want.dtype)
+        assert torch.isfinite(got).all(), key
+        err = float((got - want).double().norm()) / max(float(want.double().norm()), 1e-300)
+        assert err <= tol, f"{key}: sync=True differs from sync=False by {err:.2e}"
