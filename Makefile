@@ -24,11 +24,11 @@ endif
 experiment: $(STAMP)  ## the main job: MRP pretrain -> fine-tune vs supervised learning (seed 000)
 	$(PY) -m featlearn.experiments.mrp --grid --out runs/mrp
 
-test: $(STAMP)  ## the default test suite (< 15 minutes on 2 cores)
-	$(PY) -m pytest -q
+test: $(STAMP)  ## the default test suite (< 15 minutes on 2 cores: two pytest-xdist workers)
+	$(PY) -m pytest -q -n 2
 
 test-all: $(STAMP)  ## also the long statistical checks
-	$(PY) -m pytest -q -m "slow or not slow"
+	$(PY) -m pytest -q -n 2 -m "slow or not slow"
 
 compile-check: $(STAMP)  ## every Triton kernel built offline for sm_90 (no GPU): registers, spills, shared memory
 	$(VENV)/bin/featlearn gpu compile --out $(COMPILE_OUT)
@@ -37,7 +37,7 @@ compile-check: $(STAMP)  ## every Triton kernel built offline for sm_90 (no GPU)
 # for sm_90 with it and runs the kernels' interpreter tests under it.
 triton36-check: $(VENV36)/.installed  ## the sm_90 compile check and the kernel tests under triton 3.6.0
 	$(VENV36)/bin/featlearn gpu compile --out $(COMPILE_OUT)
-	$(VENV36)/bin/python -m pytest -q $(KERNEL_TESTS)
+	$(VENV36)/bin/python -m pytest -q -n 2 $(KERNEL_TESTS)
 
 gpu-tests-dry: $(STAMP)  ## the GPU tests (tests/gpu) on the CPU through the interpreter at tiny sizes
 	FEATLEARN_GPU_DRY=1 $(PY) -m pytest -q -m gpu tests/gpu

@@ -111,11 +111,11 @@ class PlainLoop:
         return tuple(self.state[k].detach() for k in self.spec.weights)
 
 
-def featlearn_one_step(spec: Method, seed: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-    """One step through the module's own ``optimizer_step`` hook (the one the Trainer calls)."""
-    model, dm = spec.build(seed, dtype, device)
-    batch = spec.first_batch(dm, device, dtype)
+def module_step(model, batch) -> None:
+    """One optimisation step through the module's own ``optimizer_step`` hook, as the Trainer calls it."""
     optimizer = model.configure_optimizers()
+    optimizer = optimizer["optimizer"] if isinstance(optimizer, dict) else optimizer
+    optimizer = optimizer[0] if isinstance(optimizer, (list, tuple)) else optimizer
 
     def closure():
         optimizer.zero_grad()
@@ -126,6 +126,12 @@ def featlearn_one_step(spec: Method, seed: int, device: torch.device, dtype: tor
     with warnings.catch_warnings():  # without a Trainer, ``self.log`` warns that there is nowhere to log
         warnings.simplefilter("ignore")
         model.optimizer_step(0, 0, optimizer, closure)
+
+
+def featlearn_one_step(spec: Method, seed: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """One step through the module's own ``optimizer_step`` hook (the one the Trainer calls)."""
+    model, dm = spec.build(seed, dtype, device)
+    module_step(model, spec.first_batch(dm, device, dtype))
     return tuple(getattr(model, k).detach() for k in spec.trained)
 
 

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 
+from featlearn.bench.steps import module_step
 from featlearn.cli import make_cli
 from featlearn.kernels import bn_cosine_loss
 
@@ -99,23 +100,6 @@ def _floats(batch: dict, device, dtype, via) -> dict:
     return {k: v.to(via).to(device, dtype) if v.is_floating_point() else v.to(device) for k, v in batch.items()}
 
 
-def one_step(model, batch: dict) -> None:
-    """One optimisation step through the module's own hook, as the Trainer calls it (the bench's check)."""
-    optimizer = model.configure_optimizers()
-    optimizer = optimizer["optimizer"] if isinstance(optimizer, dict) else optimizer
-    optimizer = optimizer[0] if isinstance(optimizer, (list, tuple)) else optimizer
-
-    def closure():
-        optimizer.zero_grad()
-        loss = model.training_step(batch, 0)
-        loss.backward()
-        return loss
-
-    with warnings.catch_warnings():  # without a Trainer, ``self.log`` warns that there is nowhere to log
-        warnings.simplefilter("ignore")
-        model.optimizer_step(0, 0, optimizer, closure)
-
-
 def compare_states(got: dict, want: dict, before: dict, dtype: torch.dtype, label: str) -> dict:
     """Each floating tensor within ``STEP_RTOL`` of the reference's change plus ``ULPS`` of its norm; NaN where
     the reference has NaN (a clock not yet fired); the rest equal. Returns the failures."""
@@ -154,13 +138,13 @@ def test_step_matches_cpu_float64(gpu_device, name):
     before = _state(model)  # the GPU run's state; the float64 one holds the same values
 
     ref = copy.deepcopy(model).to(dtype=torch.float64)
-    one_step(ref, _floats(batch, "cpu", torch.float64, dtype))
+    module_step(ref, _floats(batch, "cpu", torch.float64, dtype))
     run = copy.deepcopy(model)
     if gpu_device.type == "cpu" and "backend" in model.hparams:
         # dry mode: the path the GPU run takes (backend auto is Triton on CUDA), through the interpreter
         run = build(name, gpu_device, ["--model.init_args.backend", "triton"])[0]
         run.load_state_dict(model.state_dict())
-    one_step(run.to(gpu_device), _floats(batch, gpu_device, dtype, dtype))
+    module_step(run.to(gpu_device), _floats(batch, gpu_device, dtype, dtype))
 
     got, want = _state(run), _state(ref)
     assert got.keys() == want.keys()
