@@ -21,7 +21,7 @@ MODULES = ["featlearn.experiments.common", "featlearn.experiments.mrp", "featlea
            "featlearn.lightning_modules.two_layer", "featlearn.datamodules.hidden_representation",
            "featlearn.theory.universality", "featlearn.lightning_modules.universality",
            "featlearn.lightning_modules.contrastive_regularization", "featlearn.experiments.universality",
-           "featlearn.experiments.sweep", "featlearn.experiments.vit", "featlearn.gpu.compile"]
+           "featlearn.experiments.sweep", "featlearn.experiments.vit", "featlearn.gpu.compile", "featlearn.gpu.cases"]
 
 
 @pytest.mark.parametrize("name", MODULES)

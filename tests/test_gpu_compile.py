@@ -69,7 +69,7 @@ def test_float64_dots_build_for_sm90(launches):
     wanted = {("_soft_threshold_fwd_kernel", "001-medium/fp64"), ("_masked_attn_fwd_kernel", "002-cl/fp64"),
               ("_masked_attn_bwd_dq_kernel", "002-cl/fp64")}
     picked = [x for x in launches if (x["kernel"], x["case"]) in wanted]
-    jobs, _ = gc.jobs_from(picked, all_configs=False)
+    jobs = gc.jobs_from(picked, all_configs=False)
     last = {}
     for job in jobs:  # the last config that fits: the smallest tiles, the quickest builds
         last[job["kernel"]] = job

@@ -2,7 +2,7 @@
 offline, with no GPU, as ``triton.compile`` does on first launch; registers, spills and shared memory
 of each build.
 
-How: each op is called, through its Triton path, at the spec sizes (``CASES``) on ``meta`` tensors with
+How: each op is called, through its Triton path, at the spec sizes (:mod:`featlearn.gpu.cases`) on ``meta`` tensors with
 the interpreter's launch replaced by a recorder, so the launches (kernel, argument types, int values,
 constexpr flags) are exactly the ones a training step makes, at no cost. Every launch is then compiled
 for ``GPUTarget("cuda", 90, 32)`` with each autotune config the call may pick (the kernel's
@@ -18,10 +18,8 @@ Usage:
     featlearn gpu compile --op soft_threshold --out benchmarks/results/gpu --jobs 2
 
 Example:
-    >>> sorted(CASES)
-    ['bn_cosine_loss', 'masked_attention', 'patch_activation_sum', 'smoothed_clamp', 'soft_threshold']
-    >>> CASES["soft_threshold"][0][0]
-    '001-medium/fp32-ieee'
+    >>> problems({"error": "", "shared": 1024, "stack": 16, "config": {"may_pick": True}})
+    ['spills (16 B stack)']
 """
 from __future__ import annotations
 
@@ -36,119 +34,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from featlearn.gpu.cases import cases
+
 SM90_SHARED_LIMIT = 232448  # bytes of shared memory one H100/H200 block may use (227 KB, opt-in)
 TARGET = ("cuda", 90, 32)
-_PRECISIONS = (("fp32-ieee", "float32", "ieee"), ("fp32-tf32", "float32", "tf32"), ("fp64", "float64", "ieee"))
-
-
-# ------------------------------------------------------------------------------------------------
-# the calls: each op at the sizes its spec runs (meta tensors: nothing is allocated or computed)
-# ------------------------------------------------------------------------------------------------
-def _t(*shape, dtype="float32", grad=False):
-    import torch
-
-    return torch.empty(*shape, device="meta", dtype=getattr(torch, dtype), requires_grad=grad)
-
-
-def _patch_sum(B, P, D, R, kind, q, dtype, precision, mask=False, teacher=False, squares=False):
-    from featlearn.kernels import Activation, patch_activation_sum
-
-    x, w = _t(B, P, D, dtype=dtype), _t(R, D, dtype=dtype, grad=True)
-    out = patch_activation_sum(x, w, Activation(kind, q=q, rho=0.5), mask=_t(B, P, dtype=dtype) if mask else None,
-                               teacher_scale=1.5 if teacher else None, squares=squares, backend="triton",
-                               input_precision=precision)
-    (out.student.sum() + (out.squares.sum() if squares else 0)).backward()
-
-
-def _layer(op, B, D, M, dtype, precision, grad_x=False):
-    import featlearn.kernels as k
-
-    x, w, b = _t(B, D, dtype=dtype, grad=grad_x), _t(M, D, dtype=dtype, grad=True), _t(M, dtype=dtype, grad=True)
-    if op == "soft_threshold":
-        h = k.soft_threshold_layer(x, w, b, backend="triton", input_precision=precision)
-    else:
-        h = k.smoothed_clamp_layer(x, w, b, 0.1, backend="triton", input_precision=precision)
-    h.sum().backward()
-
-
-def _attention(B, P, PQ, R, D, dtype, precision, shared=True, pad=False, groups=0):
-    import torch
-    from featlearn.kernels import masked_attention
-
-    queries = _t(R, D, dtype=dtype, grad=True) if shared else _t(B, PQ, D, dtype=dtype, grad=True)
-    index = torch.empty(B, PQ, dtype=torch.long, device="meta") if shared else None
-    out, _ = masked_attention(queries, _t(B, P, D, dtype=dtype), _t(B, P, D, dtype=dtype), index,
-                              key_padding_mask=torch.empty(B, P, dtype=torch.bool, device="meta") if pad else None,
-                              key_groups=torch.empty(B, P, dtype=torch.long, device="meta") if groups else None,
-                              n_groups=groups, backend="triton", input_precision=precision, check_values=False)
-    out.sum().backward()
-
-
-def _bn_cosine(N, M, dtype, out_norm, stop_grad=True):
-    from featlearn.kernels import bn_cosine_loss
-
-    bn_cosine_loss(_t(N, M, dtype=dtype, grad=True), _t(N, M, dtype=dtype, grad=not stop_grad), out_norm=out_norm,
-                   eps=1e-6, sync=False, backend="triton").backward()
-
-
-def _cases():
-    """op -> [(case name, call)]: sizes from the specs (``../shared/spec``). Each kernel is built in every
-    precision at its main spec size, and in the precisions its methods run at the other sizes (a size
-    divisible by 16 or not, a flag on or off, compiles different code)."""
-    from functools import partial as p
-
-    cases = collections.defaultdict(list)
-    every = _PRECISIONS
-    ieee_and_fp64 = [v for v in _PRECISIONS if v[0] != "fp32-tf32"]
-    for name, dtype, precision in every:
-        # seed 000: MRP medium (k=64, m=8: R=512, d=1024, P=32, full batch 16384) with teacher and squares
-        # (A saved: 1 GiB in float32); seed 001 medium (d1=2048, m=1024, K+N=5120 rows); dissertation ch. 2
-        # Table A.1 (d=500, 2m=1000); seed 002 section 7.1 (B=64, P=1024 keys, 768 masked queries from 1024
-        # shared rows, d=1152, 130 areas) and its contrastive path (per-sample queries, P=256, d=256); the
-        # x-gradient kernels at unaligned sizes (seed 001's ablation, ch. 2's Gaussian mixture: d=100, 800 neurons)
-        cases["patch_activation_sum"].append(
-            (f"000-medium/{name}", p(_patch_sum, 16384, 32, 1024, 512, "srelu", 3, dtype, precision, teacher=True,
-                                     squares=True)))
-        cases["soft_threshold"] += [
-            (f"001-medium/{name}", p(_layer, "soft_threshold", 5120, 2048, 1024, dtype, precision)),
-            (f"unaligned-grad-x/{name}", p(_layer, "soft_threshold", 1000, 500, 30, dtype, precision, grad_x=True))]
-        cases["smoothed_clamp"] += [
-            (f"ch2-parity/{name}", p(_layer, "smoothed_clamp", 4000, 500, 1000, dtype, precision)),
-            (f"ch2-mog-grad-x/{name}", p(_layer, "smoothed_clamp", 4096, 100, 800, dtype, precision, grad_x=True))]
-        cases["masked_attention"] += [
-            (f"002-mae/{name}", p(_attention, 64, 1024, 768, 1024, 1152, dtype, precision, groups=130)),
-            (f"002-cl/{name}", p(_attention, 64, 256, 256, 0, 256, dtype, precision, shared=False, groups=17))]
-    for name, dtype, precision in ieee_and_fp64:
-        # spec 000 large (A recomputed in the backward); seed 004's encoder (R=2, d=1000, mask, float64);
-        # unaligned sizes (d=500, R=30, P=30); padded keys
-        cases["patch_activation_sum"] += [
-            (f"000-large/{name}", p(_patch_sum, 4096, 64, 2048, 11264, "srelu", 3, dtype, precision)),
-            (f"004-encoder/{name}", p(_patch_sum, 8192, 32, 1000, 2, "pow", 3, dtype, precision, mask=True,
-                                      teacher=True)),
-            (f"unaligned/{name}", p(_patch_sum, 1000, 30, 500, 30, "relu", 1, dtype, precision, squares=True))]
-        cases["masked_attention"].append(
-            (f"002-mae-exclude/{name}", p(_attention, 64, 1024, 768, 1024, 1152, dtype, precision, pad=True)))
-    for dtype, label in (("float64", "fp64"), ("float32", "fp32")):
-        # seed 004: N=8192, m=2 in float64 (its spec), a wider m=64 in float32; both normalisations
-        cases["bn_cosine_loss"] += [(f"004-bn/{label}", p(_bn_cosine, 8192, 2, dtype, "bn")),
-                                    (f"004-l2/{label}", p(_bn_cosine, 8192, 2, dtype, "l2")),
-                                    (f"wide-bn-no-stopgrad/{label}", p(_bn_cosine, 8192, 64, dtype, "bn", False)),
-                                    (f"wide-l2-no-stopgrad/{label}", p(_bn_cosine, 8193, 64, dtype, "l2", False))]
-    return dict(cases)
-
-
-class _LazyCases(collections.abc.Mapping):  # the docstring example without importing the kernels at import
-    def __getitem__(self, key):
-        return _cases()[key]
-
-    def __iter__(self):
-        return iter(_cases())
-
-    def __len__(self):
-        return len(_cases())
-
-
-CASES = _LazyCases()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -242,10 +131,10 @@ def capture(ops=None) -> list[dict]:
     Autotuner.run, saved_skip = record, interpreter.InterpretedFunction.run
     interpreter.InterpretedFunction.run = skip
     try:
-        for op, cases in _cases().items():
+        for op, calls in cases().items():
             if ops and op not in ops:
                 continue
-            for name, call in cases:
+            for name, call in calls:
                 current.update(op=op, case=name)
                 call()
     finally:
@@ -318,7 +207,7 @@ def _run_python(args: list[str], interpret: bool, background: bool = False):
     return subprocess.run(cmd, env=env, capture_output=True, text=True)
 
 
-def jobs_from(launches: list[dict], all_configs: bool) -> tuple[list[dict], dict]:
+def jobs_from(launches: list[dict], all_configs: bool) -> list[dict]:
     """Unique compile jobs (one per launch specialisation x config) and, per job id, the cases using it."""
     jobs, users = {}, collections.defaultdict(set)
     for launch in launches:
@@ -334,7 +223,7 @@ def jobs_from(launches: list[dict], all_configs: bool) -> tuple[list[dict], dict
         job["id"] = i
         job["cases"] = sorted(users[key])
         out.append(job)
-    return out, users
+    return out
 
 
 def compile_all(jobs: list[dict], workers: int, progress=None) -> list[dict]:
@@ -444,13 +333,13 @@ def main(argv=None) -> None:
     parser.add_argument("--all-configs", action="store_true", help="also build the configs the fits rules prune")
     args = parser.parse_args(argv)
     if args.op:
-        unknown = sorted(set(args.op) - set(_cases()))
+        unknown = sorted(set(args.op) - set(cases()))
         if unknown:
-            parser.error(f"--op: unknown {unknown}; one of {sorted(_cases())}")
+            parser.error(f"--op: unknown {unknown}; one of {sorted(cases())}")
     captured = _run_python(["--capture", *(args.op or [])], interpret=True)
     if captured.returncode != 0:
         sys.exit(f"featlearn gpu compile: capturing the launches failed:\n{captured.stderr[-3000:]}")
-    jobs, _ = jobs_from(json.loads(captured.stdout.splitlines()[-1]), args.all_configs)
+    jobs = jobs_from(json.loads(captured.stdout.splitlines()[-1]), args.all_configs)
     import triton
 
     start = time.perf_counter()
