@@ -7,6 +7,10 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # `make test` runs two xdist workers on CI's 2 cores: one torch thread each, not two each fighting for them
+    torch.set_num_threads(1)
+
 
 @pytest.fixture
 def one_thread():
