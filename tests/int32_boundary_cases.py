@@ -17,6 +17,7 @@ import sys
 os.environ["TRITON_INTERPRET"] = "1"
 
 import torch  # noqa: E402
+import triton  # noqa: E402
 from triton.runtime import interpreter  # noqa: E402
 
 import featlearn.kernels as k  # noqa: E402
@@ -140,13 +141,9 @@ def bn_l2_rows():
     rows = slice(N - 8, N)  # the interpreter's bn tile has 8 rows
     pr, zr = fill(p, rows), fill(z, rows)
     loss = torch.empty(N)
-    bn._bn_cosine_fwd_l2_kernel[(triton_cdiv(N, 8),)](p, z, loss, 1e-6, N, M, ACC=bn.acc_dtype(p))
+    bn._bn_cosine_fwd_l2_kernel[(triton.cdiv(N, 8),)](p, z, loss, 1e-6, N, M, ACC=bn.acc_dtype(p))
     ref = torch.stack([bn_cosine_row(pr[i], zr[i]) for i in range(8)])
     return rel(loss[rows], ref)
-
-
-def triton_cdiv(a, b):
-    return -(-a // b)
 
 
 def bn_cosine_row(f, g, eps=1e-6):
