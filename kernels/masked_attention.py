@@ -194,7 +194,7 @@ def _masked_attn_fwd_kernel(q_ptr, idx_ptr, k_ptr, v_ptr, pad_ptr, grp_ptr, o_pt
 @autotune(("BLOCK_M", "BLOCK_N", "BLOCK_D"), ATTN_BWD_TILES, INTERPRETER_ATTN_TILE, fits=_BWD_FITS,
           key=["PQ", "P", "D", "DV", "SHARED", "HAS_INDEX", "HAS_MASK", "PRECISION"])
 @triton.jit
-def _masked_attn_bwd_dq_kernel(q_ptr, idx_ptr, k_ptr, v_ptr, pad_ptr, o_ptr, do_ptr, lse_ptr, dq_ptr,
+def _masked_attn_bwd_dq_kernel(q_ptr, idx_ptr, k_ptr, v_ptr, pad_ptr, delta_ptr, do_ptr, lse_ptr, dq_ptr,
                                PQ, P, D, DV, SHARED: tl.constexpr, HAS_INDEX: tl.constexpr, HAS_MASK: tl.constexpr,
                                PRECISION: tl.constexpr, ACC: tl.constexpr, BLOCK_M: tl.constexpr,
                                BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -205,13 +205,11 @@ def _masked_attn_bwd_dq_kernel(q_ptr, idx_ptr, k_ptr, v_ptr, pad_ptr, o_ptr, do_
     q_rows = _masked_attn_rows(idx_ptr, b, rm, m_ok, PQ, SHARED, HAS_INDEX)
     o_rows = b * PQ + rm
     rc = tl.arange(0, BLOCK_D)
-    delta = tl.zeros((BLOCK_M,), ACC)
-    for c0 in range(0, DV, BLOCK_D):
-        cc = c0 + rc
-        offs = o_rows[:, None] * DV + cc[None, :]
-        omask = m_ok[:, None] & (cc[None, :] < DV)
-        delta += tl.sum(tl.load(o_ptr + offs, mask=omask, other=0.0).to(ACC)
-                        * tl.load(do_ptr + offs, mask=omask, other=0.0).to(ACC), 1)
+    # delta = rowsum(dO * O) comes from the launcher: summed here, it is replicated across the threads of the
+    # reduced axis and re-laid out for the dot through shared memory, where those copies all store the same
+    # value to the same address (the race compute-sanitizer reported on an H100); loaded, it is laid out
+    # as the dot needs it directly, as the LSE is
+    delta = tl.load(delta_ptr + o_rows, mask=m_ok, other=0.0).to(ACC)
     lse = tl.load(lse_ptr + o_rows, mask=m_ok, other=0.0).to(ACC)
     for n0 in range(0, P, BLOCK_N):
         rn = n0 + tl.arange(0, BLOCK_N)
@@ -273,9 +271,10 @@ def _masked_attn_bwd_triton(grad_out, queries, keys, values, query_index, pad, o
     B, P, D = keys.shape
     DV, PQ = values.shape[2], _n_queries(queries, query_index)
     dq_rows = kb.new_output((B, PQ, D), keys)
+    delta = torch.linalg.vecdot(out, grad_out)  # (B, PQ): rowsum(dO * O) in the accumulator's dtype
     _masked_attn_bwd_dq_kernel[tile_grid((PQ, "BLOCK_M"), B)](
         queries, _placeholder(query_index, keys), keys, values,
-        _placeholder(None if pad is None else pad.to(torch.int32), keys), out, grad_out, lse, dq_rows,
+        _placeholder(None if pad is None else pad.to(torch.int32), keys), delta, grad_out, lse, dq_rows,
         PQ, P, D, DV, SHARED=queries.dim() == 2, HAS_INDEX=query_index is not None, HAS_MASK=pad is not None,
         PRECISION=precision, ACC=acc_dtype(keys))
     return _sum_rows(dq_rows, queries, query_index), None, None

@@ -48,6 +48,7 @@ from featlearn.errors import ConfigError
 from featlearn.kernels.backend import resolve_backend
 from featlearn.kernels.masked_attention import masked_attention
 from featlearn.lightning_modules.vit_common import GlobalLocalViT, attention_sums, distributed, global_means
+from featlearn.metrics import to_host
 from featlearn.metrics.figures import tensorboard_writer
 from featlearn.metrics.probes import all_gather_cat
 from featlearn.theory.vit import cl_loss_floor, init_values, patch_vectors
@@ -268,7 +269,7 @@ class ViTCL(GlobalLocalViT):
         if final is None:
             return {}
         met = final[0]
-        host = dict(zip(met, torch.stack([v.detach().reshape(()).double() for v in met.values()]).tolist()))
+        host = {k: float(v) for k, v in to_host(met).items()}
         return {"own_area_local": host["attn_own_local_visible"], "own_area_local_all": host["attn_own_local"],
                 "own_area_global": host["attn_own_global"], "attn_global": host["attn_glob_from_local"],
                 "attn_glob_all": host["attn_glob_all"], "attn_to_masked": host["attn_to_masked"],

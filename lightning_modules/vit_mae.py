@@ -41,6 +41,7 @@ import torch
 from featlearn.errors import ConfigError
 from featlearn.kernels.masked_attention import masked_attention
 from featlearn.lightning_modules.vit_common import GlobalLocalViT, attention_sums, global_means
+from featlearn.metrics import to_host
 from featlearn.metrics.figures import tensorboard_writer
 from featlearn.theory.vit import area_loss, eta_mae, init_loss, init_values, loss_floor, patch_vectors
 from featlearn.validation import OpenUnitInterval, PositiveFloat, check_args, check_memory
@@ -302,7 +303,7 @@ class ViTMAE(GlobalLocalViT):
         if final is None:
             return {}
         met = final[0]
-        host = {k: float(v) for k, v in zip(met, torch.stack([v.detach().reshape(()).double() for v in met.values()]).tolist())}
+        host = {k: float(v) for k, v in to_host(met).items()}
         return {"own_area_local": host["attn_own_local_visible"], "own_area_local_all": host["attn_own_local"],
                 "own_area_global": host["attn_own_global"], "attn_global": host["attn_glob_from_local"],
                 "attn_to_masked": host["attn_to_masked"], "attn_other_local": host["attn_other_local"],

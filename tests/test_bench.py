@@ -45,6 +45,15 @@ def test_op_smoke_checks_times_and_writes(tmp_path):
     assert float(patch["gflop"]) == 4 * 12 * 5 * 24 * 7 / 1e9 and float(patch["tflops"]) > 0
     assert patch["precision"] == "ieee" and patch["frac_gemm_ceiling"] == "nan"
     assert "FAILED" in files[1].read_text()
+    # `featlearn bench plot`: the PNG again from the CSV alone (how a GPU's tables get their figures)
+    files[2].unlink()
+    assert run(["plot", str(files[0])])[2] == [files[2]] and files[2].stat().st_size > 0
+
+
+def test_plot_refuses_a_missing_table(capsys, tmp_path):
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "plot", str(tmp_path / "missing.csv")])
+    assert exit_.value.code == 2 and "CSV: no such file" in capsys.readouterr().err
 
 
 def test_step_smoke_featlearn_matches_plain_loop(tmp_path):

@@ -70,6 +70,10 @@ def parser() -> argparse.ArgumentParser:
                        help="leave out the torch.compile variants (each compile takes ~10-40 s)")
         p.add_argument("--ceilings", type=Path, default=None,
                        help="ceilings.csv of `featlearn gpu check`: rates as shares of the measured ceilings")
+    plot = sub.add_parser("plot", help="the PNG of tables written elsewhere (a GPU's $OUT)",
+                          description="the speed-up PNG beside each CSV of `featlearn bench op|step`")
+    plot.add_argument("tables", nargs="+", type=Path, metavar="CSV")
+    plot.add_argument("--title", default=None, help="figure title (default: the file name)")
     return top
 
 
@@ -77,6 +81,13 @@ def run(argv: list[str] | None = None, extra_cases: list | None = None) -> tuple
     """Parse, check, time and write; returns (exit status, results, files written). ``extra_cases`` are
     appended to the command's cases (the tests inject a deliberately wrong variant this way)."""
     args = parser().parse_args(argv)
+    if args.what == "plot":
+        missing = [str(t) for t in args.tables if not t.is_file()]
+        if missing:
+            parser().error(f"CSV: no such file {missing[0]}")
+        files = [harness.plot_table(t, args.title) for t in args.tables]
+        print("wrote " + ", ".join(str(f) for f in files))
+        return 0, [], files
     if args.size == "gpu" and args.device != "cuda":
         parser().error(f"--size: gpu needs --device cuda (got --device {args.device}); the CPU sizes are smoke and tiny")
     if args.device == "cuda" and not torch.cuda.is_available():

@@ -41,6 +41,29 @@ TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-10}
 TF32_TOLERANCE = 1e-2
 """A TF32 variant's: ~1e-3 per product sum, tripled by a cubic activation; 1e-2 still catches a wrong formula."""
 
+KINK_MARGIN = 0.02
+"""Half-width of the band around an activation's kink where an upstream gradient is zeroed: a TF32
+pre-activation (error ~1e-3) on the other side of a kink changes the slope by O(1) there."""
+
+
+def away_from_kinks(grad: torch.Tensor, preactivation: torch.Tensor, *kinks: torch.Tensor,
+                    margin: float = KINK_MARGIN) -> torch.Tensor:
+    """``grad`` with zeros where ``preactivation`` lies within ``margin`` of a kink (broadcast), so that an
+    op whose slope jumps is compared on its formula, not on which side rounding put a pre-activation.
+    One flipped slope among B x m moves ``grad_W`` by ~1/sqrt(B m) of its norm (4e-4 at 5120 x 1024), so
+    without this a correct float32 GEMM fails a 1e-3 check by chance.
+
+    Example:
+        >>> u = torch.tensor([0.0, 0.295, 0.5]); g = torch.ones(3)
+        >>> away_from_kinks(g, u, torch.tensor(0.3))
+        tensor([1., 0., 1.])
+    """
+    if not kinks:
+        return grad
+    near = torch.stack([(preactivation - k).abs() for k in torch.broadcast_tensors(*kinks)]).amin(0) <= margin
+    return grad.masked_fill(near, 0.0)
+
+
 EAGER, COMPILED = "eager", "compiled"
 """The variant names every ratio is taken against (the baseline a user writes, and its torch.compile)."""
 
@@ -369,9 +392,27 @@ def write(results: list[Result], out: Path, stem: str, header: str, ceilings: di
     md_path.write_text(table(results, header, ceilings) + "\n")
     if not figure:
         return [csv_path, md_path]
-    groups: dict[str, dict[str, float]] = {}
-    for (case, shape, variant), (vs_e, _) in rs.items():
-        groups.setdefault(variant, {})[f"{case}\n" + textwrap.fill(shape, 20)] = vs_e
-    fig = bars_figure(groups, ylabel="speed-up vs eager (higher is faster)", title=header.lstrip("# ").split("\n")[0])
-    png_path = save_png(fig, out / f"{stem}.png")
+    speedups = [(case, shape, variant, vs_e) for (case, shape, variant), (vs_e, _) in rs.items()]
+    png_path = save_png(speedup_figure(speedups, header.lstrip("# ").split("\n")[0]), out / f"{stem}.png")
     return [csv_path, md_path, png_path]
+
+
+def speedup_figure(speedups, title: str):
+    """Bars of ``(case, shape, variant, speed-up vs eager)``, one group of bars per variant."""
+    groups: dict[str, dict[str, float]] = {}
+    for case, shape, variant, vs_eager in speedups:
+        groups.setdefault(variant, {})[f"{case}\n" + textwrap.fill(shape, 20)] = vs_eager
+    return bars_figure(groups, ylabel="speed-up vs eager (higher is faster)", title=title)
+
+
+def plot_table(table: Path, title: str | None = None) -> Path:
+    """``<table>.png`` beside a CSV that :func:`write` made elsewhere (a lent GPU's ``$OUT`` brings back
+    the tables, not the figures). Untimed (FAILED) rows are left out.
+
+    Example:
+        >>> plot_table(Path("benchmarks/results/gpu/bench_op_gpu_h100.csv"))  # doctest: +SKIP
+    """
+    with table.open(newline="") as fh:
+        rows = [r for r in csv.DictReader(fh) if r["passed"] == "True"]
+    speedups = [(r["case"], r["shape"], r["variant"], float(r["speedup_vs_eager"])) for r in rows]
+    return save_png(speedup_figure(speedups, title or table.stem), table.with_suffix(".png"))

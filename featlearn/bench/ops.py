@@ -22,7 +22,7 @@ import functools
 
 import torch
 
-from featlearn.bench.harness import COMPILED, EAGER, TF32_TOLERANCE, Case, Variant
+from featlearn.bench.harness import COMPILED, EAGER, TF32_TOLERANCE, Case, Variant, away_from_kinks
 from featlearn.kernels.backend import cublas_precision
 from featlearn.kernels import (Activation, smoothed_relu, bn_cosine_loss, bn_cosine_loss_reference, infonce_reference,
                                infonce_stopgrad, patch_activation_sum, patch_activation_sum_reference,
@@ -185,10 +185,14 @@ def soft_case(size: str, device: torch.device) -> Case:
 
     def inputs(dtype, dev, seed):
         g = _gen(seed, dev)
-        return {"x": _randn(g, B, d1, dtype=dtype, device=dev),  # data and the scheduled bias: no gradient
-                "w": _randn(g, m, d1, dtype=dtype, device=dev, scale=d1 ** -0.5).requires_grad_(True),
-                "b": (0.3 * torch.rand(m, generator=g, dtype=torch.float64, device=dev)).to(dev, dtype),
-                "g": _randn(g, B, m, dtype=dtype, device=dev)}
+        inp = {"x": _randn(g, B, d1, dtype=dtype, device=dev),  # data and the scheduled bias: no gradient
+               "w": _randn(g, m, d1, dtype=dtype, device=dev, scale=d1 ** -0.5).requires_grad_(True),
+               "b": (0.3 * torch.rand(m, generator=g, dtype=torch.float64, device=dev)).to(dev, dtype),
+               "g": _randn(g, B, m, dtype=dtype, device=dev)}
+        # the slope jumps at |u| = b: no upstream gradient where rounding could put u on either side
+        u = inp["x"].double() @ inp["w"].detach().double().T
+        inp["g"] = away_from_kinks(inp["g"], u, inp["b"].double(), -inp["b"].double())
+        return inp
 
     # forward GEMM x W^T and grad_W = G^T x (no grad_x: the data); x, W, b, G read, h and grad_W written
     return Case("soft_threshold", f"B={B} d1={d1} m={m}",

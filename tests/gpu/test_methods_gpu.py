@@ -37,6 +37,11 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 # (CPU float32 against float64, dry and config sizes: <= 3e-6 of the change; the GPU's sequential FMA sums
 # may add ~10x); 1e-4 leaves that margin and sits under a TF32 GEMM's ~3e-4. float64: 1e-9 (~1e-14 expected).
 STEP_RTOL = {torch.float32: 1e-4, torch.float64: 1e-9}
+# ch. 2's NTK step at its config size (10k samples x 300 neurons, smoothing 0 in stage 3): sigma' is a step
+# at z0 = +-1, so the few z0 that float32 rounding puts on the other side flip their slope. Measured on an
+# H100 (torch 2.11): 1.2e-4 of b's change; the CPU reproduces it exactly with z0 summed in sequence (3.12e-6
+# against a change of 2.69e-2), and gets 1e-7 with MKL's order. A float32 rounding effect, not a bug: 1e-3.
+STEP_RTOL_OF = {"two_layer_ntk": {torch.float32: 1e-3}}
 # plus rounding of the stored values: a few ulps of the tensor's norm (the update may be far smaller)
 ULPS = 8
 
@@ -117,7 +122,8 @@ def compare_states(got: dict, want: dict, before: dict, dtype: torch.dtype, labe
             continue
         value, ref, init = value[~nan], ref[~nan], init[~nan].nan_to_num(0.0)  # a clock that fired: all change
         err, change = float((value - ref).norm()), float((ref - init).norm())
-        allowed = STEP_RTOL[dtype] * change + ULPS * torch.finfo(dtype).eps * float(ref.norm())
+        rtol = STEP_RTOL_OF.get(label, {}).get(dtype, STEP_RTOL[dtype])
+        allowed = rtol * change + ULPS * torch.finfo(dtype).eps * float(ref.norm())
         used[key] = f"{err / allowed:.1e}" if allowed > 0 else f"{err:.1e}"
         if not err <= allowed:
             bad[key] = f"error {err:.2e} > {allowed:.2e} (change {change:.2e}, norm {float(ref.norm()):.2e})"

@@ -24,6 +24,7 @@ import pytest
 import torch
 
 import featlearn.kernels as K
+from featlearn.bench.harness import away_from_kinks  # upstream gradients 0 near a kink; outputs compared everywhere
 from featlearn.kernels import Activation
 
 pytestmark = pytest.mark.gpu
@@ -42,10 +43,6 @@ FP64_TOL = 1e-12
 # id: dtype, input_precision, tolerance ("fp32": ops without dots, no input_precision)
 PRECISIONS = {"fp32-ieee": (torch.float32, "ieee", FP32_TOL), "fp32-tf32": (torch.float32, "tf32", TF32_TOL),
               "fp64": (F64, "auto", FP64_TOL), "fp32": (torch.float32, None, FP32_TOL)}
-# upstream gradients are 0 within this distance of a kink of a piecewise-linear activation: a float32 or
-# TF32 pre-activation (error <= ~1e-3) on the other side of a kink changes the slope by O(1) there; the
-# function value is continuous, so the forward output is compared everywhere
-KINK = 0.02
 STATS = ("mean_p", "mean_z", "var_p", "var_z", "cov", "rho")  # bn_column_stats: float64 whatever the inputs
 
 
@@ -76,8 +73,7 @@ def _rand(gen, dtype, *shape, low=0.0, high=1.0):
 
 
 def _grad_away_from(gen, u, *kinks):  # an upstream gradient, 0 near the kinks
-    g = torch.randn(u.shape, generator=gen, device=u.device, dtype=F64)
-    return g * (torch.stack([(u - k).abs() for k in kinks]).amin(0) > KINK) if kinks else g
+    return away_from_kinks(torch.randn(u.shape, generator=gen, device=u.device, dtype=F64), u, *kinks)
 
 
 # ---------------------------------------------------------------------------------------------------
