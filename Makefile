@@ -10,6 +10,11 @@ COMPILE_OUT ?= runs/gpu-compile
 KERNEL_TESTS := tests/test_soft_threshold.py tests/test_smoothed_clamp.py tests/test_patch_activation_sum.py \
 	tests/test_masked_attention.py tests/test_bn_cosine_loss.py tests/test_activations.py tests/test_kernel_template.py \
 	tests/test_gpu_compile.py tests/test_int32_offsets.py
+# make test-fast: a first check in under 2 minutes (the CLI and config contract, refusals, determinism of the
+# sampler, checkpoints that resume bit-equal, one kernel against its float64 reference, one paper's headline)
+FAST_TESTS := tests/test_interfaces.py tests/test_rng.py tests/test_checkpoints.py tests/test_soft_threshold.py \
+	tests/test_headline_noncontrastive.py
+DOCS_STAMP := $(VENV)/.installed-docs
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 # PyTorch's own index of CPU wheels, used only when no local CPU wheel is found (pip's find-links).
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
@@ -19,13 +24,16 @@ else
 INSTALL_TORCH := $(PY) -m pip install -q torch==2.13.0+cpu || $(PY) -m pip install -q torch==2.13.0+cpu --index-url $(TORCH_CPU_INDEX)
 endif
 
-.PHONY: experiment test test-all compile-check triton36-check gpu-tests-dry contrastive noncontrastive vit two-layer universality large-k profile bench tensorboard clean
+.PHONY: experiment test test-fast test-all docs compile-check triton36-check gpu-tests-dry contrastive noncontrastive vit two-layer universality large-k profile bench tensorboard clean
 
-experiment: $(STAMP)  ## the main job: MRP pretrain -> fine-tune vs supervised learning (seed 000)
+experiment: $(STAMP)  ## the main job: MRP pretrain -> fine-tune vs supervised learning, seed 0 only, lr grid
 	$(PY) -m featlearn.experiments.mrp --grid --out runs/mrp
 
-test: $(STAMP)  ## the default test suite (< 15 minutes on 2 cores: two pytest-xdist workers)
+test: $(STAMP)  ## the default test suite on two pytest-xdist workers (774 s on the 2-core CI machine)
 	$(PY) -m pytest -q -n 2
+
+test-fast: $(STAMP)  ## a first check: 5 quick test files in one process (102 s on the 2-core dev machine)
+	$(PY) -m pytest -q $(FAST_TESTS)
 
 test-all: $(STAMP)  ## also the long statistical checks
 	$(PY) -m pytest -q -n 2 -m "slow or not slow"
@@ -42,19 +50,19 @@ triton36-check: $(VENV36)/.installed  ## the sm_90 compile check and the kernel 
 gpu-tests-dry: $(STAMP)  ## the GPU tests (tests/gpu) on the CPU through the interpreter at tiny sizes
 	FEATLEARN_GPU_DRY=1 $(PY) -m pytest -q -m gpu tests/gpu
 
-contrastive: $(STAMP)  ## seed 001: contrastive learning with vs without RandomMask
+contrastive: $(STAMP)  ## Wen & Li (ICML 2021): contrastive learning with vs without RandomMask
 	$(PY) -m featlearn.experiments.contrastive
 
-noncontrastive: $(STAMP)  ## seed 004: prediction head vs no head
+noncontrastive: $(STAMP)  ## Wen & Li (NeurIPS 2022): prediction head vs no head
 	$(PY) -m featlearn.experiments.noncontrastive
 
-vit: $(STAMP)  ## seed 002: one-layer softmax ViT, MAE vs contrastive learning across Delta (~5 min on one CPU thread)
+vit: $(STAMP)  ## Huang et al. (ICLR 2025): one-layer softmax ViT, MAE vs contrastive learning (170 s, one thread)
 	$(PY) -m featlearn.experiments.vit --out runs/vit
 
-two-layer: $(STAMP)  ## seed 003 ch. 2: Table A.1 (parity, d = 500), network vs NTK / RF / One Step / Two Step
+two-layer: $(STAMP)  ## Shi's dissertation ch. 2: Table A.1 (parity, d = 500), network vs NTK / RF / One Step / Two Step
 	$(PY) -m featlearn.experiments.two_layer --seed 0 --out runs/two_layer
 
-universality: $(STAMP)  ## seed 003 ch. 7: universality vs label efficiency, contrastive regularisation
+universality: $(STAMP)  ## Shi's dissertation ch. 7: universality vs label efficiency, contrastive regularisation
 	$(PY) -m featlearn.experiments.universality --seed 0 1 2 --out runs/universality
 
 large-k: $(STAMP)  ## MRP over k on one CPU thread (configs/large_k/mrp_k_cpu.yaml), resumable
@@ -69,6 +77,17 @@ bench: $(STAMP)  ## op and training-step benchmarks at the CPU sizes (benchmarks
 
 tensorboard: $(STAMP)
 	$(VENV)/bin/tensorboard --logdir runs
+
+# The API pages read the package as installed (featlearn.kernels = kernels/, ...): staged as symlinks first.
+DOCS_API := build/docs-api
+docs: $(DOCS_STAMP)  ## the documentation site (mkdocs-material + mkdocstrings) into site/, warnings are errors
+	rm -rf $(DOCS_API) && mkdir -p $(DOCS_API)
+	$(PY) -c "import pathlib, featlearn.gpu.wheels as w; w.stage(pathlib.Path('$(DOCS_API)').resolve())"
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
+
+$(DOCS_STAMP): $(STAMP) pyproject.toml
+	$(PY) -m pip install -q -e ".[test,docs]"
+	touch $@
 
 $(VENV36)/.installed: pyproject.toml
 	test -x $(VENV36)/bin/python || $(PYTHON) -m venv $(VENV36)
@@ -87,7 +106,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 clean:
-	rm -rf $(VENV) $(VENV36) runs lightning_logs
+	rm -rf $(VENV) $(VENV36) runs lightning_logs site build/docs-api
 
 # ------------------------------------------------------------------------------------------------
 # GPU readiness (docs/gpu.md). gpu-wheels runs where the package registry is; gpu-check-install and

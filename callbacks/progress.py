@@ -2,7 +2,9 @@
 
 Lightning's bar counts batches within an epoch; in full-batch mode every step is an epoch, so it reads
 "Epoch 19: 1/1" and never says how far the run is. This bar shows ``step t/max_steps`` over the whole
-fit, the rate and the estimated time left, and the metrics logged with ``prog_bar=True``.
+fit, the rate and the estimated time left, the training loss (what ``training_step`` returns, for every
+method alike, read at the first and last steps and every ``log_every_n_steps`` steps, when the step's
+metrics are read anyway: no extra device sync) and the metrics logged with ``prog_bar=True``.
 """
 from lightning.pytorch.callbacks import TQDMProgressBar
 
@@ -35,11 +37,21 @@ class StepProgressBar(TQDMProgressBar):
     def on_train_epoch_start(self, trainer, *_) -> None:
         pass  # one bar for the whole fit, not one per epoch
 
+    _loss: float | None = None
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        step = trainer.global_step
+        if loss is not None and (step % max(1, trainer.log_every_n_steps) == 0 or step in (1, trainer.max_steps)):
+            self._loss = float(loss)
         if self._should_update(trainer.global_step, self.total_train_batches or 0):
             self.train_progress_bar.n = trainer.global_step
             self.train_progress_bar.refresh()
             self.train_progress_bar.set_postfix(self.get_metrics(trainer, pl_module))
+
+    def get_metrics(self, trainer, pl_module) -> dict:
+        metrics = super().get_metrics(trainer, pl_module)
+        return metrics if self._loss is None else {"loss": f"{self._loss:.4g}", **metrics}
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:
         if not self.train_progress_bar.disable:

@@ -1,9 +1,10 @@
-"""K-cluster patch data with global and local areas, for one-layer softmax ViTs (seed 002, spec sections 1-2).
+"""K-cluster patch data with global and local areas, for one-layer softmax ViTs (Huang et al. 2025,
+Def. 2.1-2.7).
 
 A sample ``X (P, d)`` of cluster ``k ~ Uniform[K]`` carries, on every patch p of area ``j`` of cluster k's
 partition, the vector ``z_j v_{k,j}`` (``z_j ~ Uniform[z_low, z_high]`` per sample and area, or 1). Area 0
 is the global area (``C_1 = Theta(P^kappa_c)`` patches), areas ``1 .. N-1`` the local ones
-(``C_s = Theta(P^kappa_s)`` each), sized by the spec 1.6 rule (:func:`featlearn.theory.vit.area_sizes`).
+(``C_s = Theta(P^kappa_s)`` each), sized by our rounding rule (:func:`featlearn.theory.vit.area_sizes`).
 Positional encodings ``e_p`` and features ``v_{k,j}`` are orthonormal and mutually orthogonal:
 ``basis="canonical"`` puts ``e_p`` on coordinate ``p`` and ``v_{k,j}`` on ``P + k N + j``; ``"haar"``
 rotates all of them by one Haar-random orthogonal matrix. ``d`` defaults to ``roundup(P + K N, 64)``.
@@ -12,7 +13,8 @@ Partitions are fixed for the run (a function of the seed): ``layout="random"`` g
 permutation of the positions, the first ``C_1`` global, the rest cut into local areas of ``C_s``;
 ``"grid"`` tiles the ``sqrt(P) x sqrt(P)`` grid into ``h x w = C_s`` tiles (shifted per cluster by its own
 offset in ``[0, h) x [0, w)``, tiles wrapping around the edges, so clusters never share a local area; hence
-``K <= C_s``) and makes a random block of ``C_1 / C_s`` tiles the global area (spec 1.7).
+``K <= C_s``) and makes a random block of ``C_1 / C_s`` tiles the global area (our layout for
+the figures and the attention diversity; the paper allows any partition).
 
 Batches are structured (the model builds dense ``x`` only where it needs it)::
 
@@ -25,7 +27,7 @@ What a method adds (asked for in its ``build``):
   masked patches drawn uniformly without replacement, and their sorted positions ``masked_idx [B, Pq]``;
 * :meth:`use_cl_views` ``(gamma0)``: two independent maskings ``mask1``, ``mask2`` (``round(gamma0 P)``
   each) and the Gaussian noise ``noise [B, P, d]`` (variance ``noise_var``, default ``1/d``), which both
-  views share (spec 1.4, 2.2). Negatives are the other samples of the batch, unaugmented.
+  views share (Assumption 4.3, Def. 2.7). Negatives are the other samples of the batch, unaugmented.
 
 Every value is a function of (seed, split, sample index) through :mod:`featlearn.datamodules.rng`; in
 fixed mode a training sample's masks also depend on the step (fresh masks every step, the same sample).
@@ -49,6 +51,7 @@ import torch
 from featlearn.datamodules import rng
 from featlearn.datamodules.base import SyntheticDataModule
 from featlearn.errors import ConfigError
+from featlearn.papers import cite
 from featlearn.theory.vit import area_sizes, embedding_dim, masked_count, patch_vectors, z_moments
 from featlearn.validation import (LeftOpenUnitInterval, NonNegativeFloat, PositiveFloat, PositiveInt,
                                   RightOpenUnitInterval, check_args, int_at_least)
@@ -62,7 +65,7 @@ _G_PARTITION, _G_BASIS, _G_TILES = 11, 12, 13
 
 
 class GlobalLocalPatchDataModule(SyntheticDataModule):
-    """The spec 002 patch distribution (module docstring).
+    """The patch distribution of Huang et al. 2025, Def. 2.1 (module docstring).
 
     Args:
         P: patches per sample. K: clusters.
@@ -118,8 +121,8 @@ class GlobalLocalPatchDataModule(SyntheticDataModule):
         tile = _tile_shape(P, sizes["C_s"]) if layout == "grid" else None
         if tile is not None and K > tile[0] * tile[1]:
             raise ConfigError("data.K", f"at most C_s = {tile[0] * tile[1]} with layout 'grid' (each cluster tiles the "
-                                        f"grid with its own offset of the {tile[0]} x {tile[1]} tiles, spec 1.2: "
-                                        f"clusters never share a partition)", K)
+                                        f"grid with its own offset of the {tile[0]} x {tile[1]} tiles; "
+                                        f"{cite('vit', 'Def. 2.1')}: clusters never share a partition)", K)
         super().__init__(mode=mode, batch_size=batch_size, num_val=num_val, num_test=num_test, **synthetic)
         self.P, self.K, self.d, self.layout, self.basis = P, K, d, layout, basis
         self.C_1, self.C_s, self.n_local, self.n_areas = sizes["C_1"], sizes["C_s"], sizes["n_local"], n_areas

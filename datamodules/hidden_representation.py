@@ -1,5 +1,5 @@
 """The hidden-representation linear multi-task model of the universality / label-efficiency trade-off
-(seed 003, chapter 7, Eq. 7.6-7.8; spec 003b section 2.2).
+(Shi 2024, Ch. 7, Eq. 7.6-7.8, sampled: the dissertation itself runs no synthetic experiment).
 
 Latent ``z = [z_S; z_{P_1}; ...; z_{P_T}; z_U]`` in ``R^d``, ``d = k + u``, ``k = s + T (r - s)``:
 
@@ -51,7 +51,7 @@ _G_DICT, _G_LABEL = 11, 12
 
 
 class HiddenRepresentationDataModule(SyntheticDataModule):
-    """The linear multi-task model of spec 003b section 2.2; see the module docstring.
+    """The linear multi-task model of Shi 2024, Eq. 7.6-7.8; see the module docstring.
 
     Args:
         T: number of tasks. s: shared features. r: invariant features per task (``r > s``: ``r - s`` private

@@ -1,4 +1,4 @@
-"""Multi-view data of mask-reconstruction pretraining (seed 000, spec 000_mrp.md section 1).
+"""Multi-view data of mask-reconstruction pretraining (Pan et al. 2023, Def. 3.1, after Allen-Zhu & Li 2023).
 
 Each class ``i`` of ``k`` owns two orthonormal features ``v[i,0], v[i,1]``. A sample of class ``y``
 has ``P`` patches of dimension ``d``; both own features (multi-view) or one main feature plus a weak
@@ -7,7 +7,7 @@ appear with probability ``s/k`` each on their own ``C_p`` patches, every patch c
 ``alpha ~ U[0, gamma]`` along all ``2k`` features and Gaussian noise (std ``sigma_p`` on feature
 patches, ``gamma k / sqrt(d)`` on background patches). Coefficients split a per-feature sum ``S``
 equally over its patches: own ``S ~ U[1, 1.2]``, single-view weak ``U[rho, 1.2 rho]``, off-class
-``U[0.2, 0.4]`` (spec 1.5).
+``U[0.2, 0.4]`` (our choice within the paper's ranges, which leave the law open).
 
 Splits: the training split is the unlabelled pretraining set (size ``num_pretrain``) or the labelled
 downstream set (``num_downstream``), drawn from disjoint random streams; which one is the module's choice
@@ -37,7 +37,7 @@ _Y, _SINGLE, _MAIN, _OFF, _PRIORITY, _PATCHES, _SUMS, _CLOSE, _ALPHA, _NOISE = r
 
 
 class MultiViewDataModule(SyntheticDataModule):
-    """Samples of spec section 1; see the module docstring for the distribution.
+    """Samples of Pan et al. 2023, Def. 3.1; see the module docstring for the distribution.
 
     Args:
         k: classes (2k features). d: patch dimension (>= 2k). P: patches (>= C_p (2 + 4 s)).

@@ -1,13 +1,13 @@
-"""Sparse-coding data ``x = M z + xi`` with RandomMask views (Wen & Li 2021; spec 001 sections 1-2).
+"""Sparse-coding data ``x = M z + xi`` with RandomMask views (Wen & Li 2021, Def. 2.1, 2.3).
 
 * ``M`` (``d1 x d``): orthonormal dictionary. ``dictionary="random"`` (default) is the Q factor of a
   Gaussian matrix, hence delocalised (``||M_j||_inf ~ sqrt(2 log(d1 d)/d1)``); ``"coordinate"`` uses
-  ``d`` distinct standard basis vectors (the negative control of spec 2.4: RandomMask then removes
+  ``d`` distinct standard basis vectors (a negative control: RandomMask then removes
   all view cross-covariance and nothing is learned).
 * ``z`` in ``{-1,0,1}^d`` i.i.d.: ``Pr(z_j = +-1) = p/2`` with ``p = C_z log log d / d``.
 * ``xi ~ N(0, sigma_xi^2 I)`` with ``sigma_xi^2 = C_xi sqrt(log d)/d``.
-* labels (spec 1.6): ``y_reg = <w*, z>``, ``y_cls = sign(y_reg)`` (0 when ``<w*,z> = 0``: probes drop
-  those), ``w*_j = s_j u_j`` with random signs and ``u_j ~ U[0.5, 1.5]``.
+* labels (Wen & Li 2021, Def. 3.1): ``y_reg = <w*, z>``, ``y_cls = sign(y_reg)`` (0 when ``<w*,z> = 0``: probes drop
+  those), ``w*_j = s_j u_j`` with random signs and ``u_j ~ U[0.5, 1.5]`` (the paper: ``|w*_j| = Theta(1)``).
 
 **Augmentation lives here, in** :meth:`SparseCodingDataModule.sample` (decision for issue 3): the mask
 ``D`` of training sample ``i`` is drawn from its own RNG stream as a function of ``(seed, i)``, so a
@@ -253,7 +253,7 @@ class SparseCodingDataModule(SyntheticDataModule):
         return [self._loader("val"), self._loader("test")]
 
     # ------------------------------------------------------------------------------------------
-    # closed forms (spec 1.2 / 2.3)
+    # closed forms (from Def. 2.1 and 2.3; checked against samples in tests/test_sparse_coding.py)
     # ------------------------------------------------------------------------------------------
     def covariance(self) -> torch.Tensor:
         """``Sigma_x = p M M^T + sigma^2 I`` (float64)."""

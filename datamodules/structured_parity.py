@@ -1,4 +1,4 @@
-"""The F_Xi family of seed 003 chapter 2 (Shi, Wei & Liang 2022; spec 003a section 1.1): inputs built
+"""The F_Xi family of Shi 2024, Sec. 2.3 (Shi, Wei & Liang 2022), with the settings of App. A.7: inputs built
 from a dictionary of orthonormal patterns, labels from the class-relevant patterns only.
 
 * ``M [d, D]`` with orthonormal columns (the Q factor of a Gaussian matrix, a function of the seed);
@@ -12,11 +12,11 @@ from a dictionary of orthonormal patterns, labels from the class-relevant patter
     uniform, ``D^(1)`` has ``phi_A`` all zeros or all ones and background ``Bern(p_o / (2 - 2 p_o))``;
   - ``"interval"`` (d = 500, D = 100, k = 30): ``y = +1`` iff ``interval_low <= S <= interval_high``, with
     ``phi_A ~ Bern(relevant_prob)`` and background ``Bern(p_o)``;
-  - ``"hypercube_mog"`` (A.7.3): ``x~ = sum_{i <= k} eps_i M_i + g``, ``g ~ N(0, mog_noise^2 (k/d) I)``,
+  - ``"hypercube_mog"`` (App. A.7.3): ``x~ = sum_{i <= k} eps_i M_i + g``, ``g ~ N(0, mog_noise^2 (k/d) I)``,
     ``y = prod eps_i`` (2^k Gaussian clusters; D = k).
 
 * ``structure=False``: the control F_Xi0, every ``phi_j ~ Bern(1/2)`` with the same labelling.
-* ``neg_fraction``: class imbalance ``Pr[y = -1]`` (A.7.2), made by drawing the label first and then
+* ``neg_fraction``: class imbalance ``Pr[y = -1]`` (App. A.7.2), made by drawing the label first and then
   the hidden vector from its class (the same as sub-sampling a class; the paper does not say how).
 
 Every sample is a pure function of (seed, split, index): the component and ``S`` come from one uniform
@@ -62,7 +62,7 @@ _INIT_STREAM = 405  # model initialisation, apart from every sample and dictiona
 
 
 class StructuredParityDataModule(SyntheticDataModule):
-    """The F_Xi data family of spec 003a 1.1 (module docstring).
+    """The F_Xi data family of Shi 2024, Sec. 2.3 (module docstring).
 
     Args:
         dim: d, input dimension (>= num_patterns).

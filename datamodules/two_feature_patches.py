@@ -1,5 +1,5 @@
 """Two-feature patch data of Wen & Li (2022), "The mechanism of prediction head in non-contrastive SSL"
-(spec 004 sections 1-2), with the complementary-halves augmentation.
+(Def. 3.1, Assumption 3.3), with the complementary-halves augmentation of eq. 3.2.
 
 A sample is ``X [P, d]`` (P patches in R^d):
 
@@ -20,7 +20,7 @@ so samples do not depend on batch size, device or device count. ``sample`` retur
     ell          [B]        int64, feature index of the sample (co_occur: -1)
     sign         [B]        +-1 (dtype of x)
 
-Options beyond the theory's default (spec 1.1 remark 3.2 / 1.5, [proposal]): more than two features
+Options beyond the theory's default (Remark 3.2 and our extensions): more than two features
 (``alphas`` of length K), class imbalance (``feature_probs``), co-occurring features (``co_occur``: the
 first ceil(P0/2) patches of S carry v1, the rest v2, independent signs) and a random orthonormal feature
 basis (``random_basis``) instead of e_1, e_2.
@@ -65,7 +65,7 @@ class TwoFeaturePatchDataModule(SyntheticDataModule):
         feature_probs: P(ell = k), default uniform.
         co_occur: every sample carries v1 and v2 (remark 3.2 (ii)); only for K = 2.
         random_basis: random orthonormal features (a pure function of ``seed``) instead of e_1..e_K.
-        dtype: ``"float64"`` (default, spec 1.3) or ``"float32"``.
+        dtype: ``"float64"`` (default: the dynamics run through terms of 1e-8 .. 1e-12) or ``"float32"``.
         seed, mode, batch_size, num_train, num_val, num_test, steps_per_epoch: see the base class
             (default ``mode="online"``: fresh samples every step, Algorithm 1).
     """
@@ -154,7 +154,7 @@ class TwoFeaturePatchDataModule(SyntheticDataModule):
                                  dtype=torch.float64)
 
     def constants(self) -> dict[str, float]:
-        """Hypergeometric constants and the population optimum OPT (spec 1.2)."""
+        """Hypergeometric constants (Wen & Li 2022, App. A) and the population optimum OPT (Cor. E.3)."""
         return hypergeometric_moments(self.num_patches, self.num_feature_patches)
 
     # --- sampling -------------------------------------------------------------------------------

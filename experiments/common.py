@@ -22,10 +22,13 @@ from pathlib import Path
 
 import torch
 import yaml
+from lightning.pytorch import Callback
 from tqdm.auto import tqdm
 
 from featlearn.cli import FeatlearnCLI, make_cli
+from featlearn.errors import ConfigError
 from featlearn.metrics.figures import save_png
+from featlearn.quiet import quiet_known_noise
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -69,9 +72,63 @@ def parse_experiment_args(parser: argparse.ArgumentParser, argv=None, check=None
     return args
 
 
-def progress(items, desc: str):
-    """A progress bar over an experiment's fits (or seeds, sizes, ...), on stderr."""
-    return tqdm(items, desc=desc, unit="fit", dynamic_ncols=True)
+class FitProgress(Callback):
+    """Two bars on stderr while an experiment runs: its fits (``total``, counted as each ends) and the
+    steps of the fit running. :func:`build` attaches the active one to every trainer it makes.
+
+    Example:
+        >>> with FitProgress(2, "demo") as bars:  # the bars go to stderr
+        ...     bars.fits.update(2)
+        >>> bars.fits.n, FitProgress.active is None
+        (2, True)
+    """
+
+    active: "FitProgress | None" = None
+
+    def __init__(self, total: int, desc: str, disable: bool = False):
+        self.fits = tqdm(total=total, desc=desc, unit="fit", dynamic_ncols=True, disable=disable)
+        self.steps = None
+        self.disable = disable
+
+    def __enter__(self) -> "FitProgress":
+        FitProgress.active = self
+        return self
+
+    def __exit__(self, *exc) -> None:
+        FitProgress.active = None
+        if self.fits.total is not None and self.fits.n != self.fits.total:  # fewer fits than planned
+            self.fits.total = self.fits.n
+            self.fits.refresh()
+        self.fits.close()
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        name = getattr(trainer.logger, "name", None) or "fit"
+        total = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
+        self.steps = tqdm(total=total, initial=trainer.global_step, desc=f"  {name}", unit="step", leave=False,
+                          dynamic_ncols=True, disable=self.disable, mininterval=0.5)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.steps is not None:
+            self.steps.update(trainer.global_step - self.steps.n)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if self.steps is not None:
+            self.steps.close()
+            self.steps = None
+        if self.fits.total is not None and self.fits.n >= self.fits.total:  # more fits than planned
+            self.fits.total = self.fits.n + 1
+        self.fits.update(1)
+
+    def on_exception(self, trainer, pl_module, exception) -> None:  # a diverged fit ends too
+        self.on_train_end(trainer, pl_module)
+
+
+def progress(items, desc: str, fits_per_item: int = 1):
+    """Iterate over an experiment's jobs (seeds, sizes, settings, ...) with a :class:`FitProgress` that
+    counts their ``len(items) * fits_per_item`` fits (a job that fits several models says how many)."""
+    items = list(items)
+    with FitProgress(len(items) * fits_per_item, desc):
+        yield from items
 
 
 def output_dir(out: Path, overwrite: bool = False) -> Path:
@@ -101,11 +158,12 @@ def output_dir(out: Path, overwrite: bool = False) -> Path:
 
 
 def quiet_lightning() -> None:
-    """Hide Lightning's start-up banners and the warnings that are expected in these experiments."""
+    """Hide Lightning's start-up banners (an experiment runs many fits) and, beside what every featlearn
+    run hides (:func:`featlearn.quiet.quiet_known_noise`), the warnings expected in these experiments."""
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     logging.getLogger("lightning.fabric").setLevel(logging.WARNING)
-    for message in (".*smaller than the logging interval.*", ".*LeafSpec.*", ".*no `validation_step`.*",
-                    ".*`weights_only` was not set.*", ".*does not have many workers.*"):
+    quiet_known_noise()
+    for message in (".*`weights_only` was not set.*", ".*does not have many workers.*"):
         warnings.filterwarnings("ignore", message=message)
 
 
@@ -115,22 +173,25 @@ def build(config: str, out: Path, name: str, *overrides: str) -> FeatlearnCLI:
             "--trainer.logger.init_args.name", name, "--trainer.logger.init_args.version", "",
             "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
             *overrides]
-    with warnings.catch_warnings():  # LightningCLI warns when args= and sys.argv are both present
-        warnings.filterwarnings("ignore", message=".*args parameter is intended.*")
-        return make_cli(args, run=False)
+    cli = make_cli(args, run=False)
+    if FitProgress.active is not None:
+        cli.trainer.callbacks.append(FitProgress.active)
+    return cli
 
 
-def resolved_config(config: str) -> dict:
-    """``configs/<config>`` as the CLI composes it (data presets, ``config:`` bases, dotted keys), without
-    building anything: what ``lightning fit --config ... --print_config`` prints."""
-    printed = io.StringIO()
-    with contextlib.redirect_stdout(printed), warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*args parameter is intended.*")
+def resolved_config(config: str, *overrides: str) -> dict:
+    """``configs/<config>`` with command-line ``overrides`` as the CLI composes and type-checks them (data
+    presets, ``config:`` bases, dotted keys), without building anything: what ``lightning fit --config ...
+    --print_config`` prints. A value the CLI refuses raises :class:`ConfigError` with the CLI's message."""
+    printed, errors = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(errors):
         try:
-            make_cli(["fit", "--config", str(CONFIGS / config), "--print_config"])
-        except SystemExit as stop:  # --print_config exits once it has printed
+            make_cli(["fit", "--config", str(CONFIGS / config), *overrides, "--print_config"])
+        except SystemExit as stop:  # --print_config exits once it has printed; a refusal exits with 2
             if stop.code:
-                raise
+                message = errors.getvalue().strip().splitlines()
+                raise ConfigError("settings", f"values the config {config} accepts",
+                                  message[-1].removeprefix("error: ") if message else "refused") from None
     return yaml.safe_load(printed.getvalue())
 
 

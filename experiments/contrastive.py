@@ -1,4 +1,4 @@
-"""Experiment E1 of spec 001: contrastive learning with vs without RandomMask, at equal bias, plus controls.
+"""Wen & Li 2021, Theorems 3.2 and 3.4: contrastive learning with vs without RandomMask, at equal bias, plus controls.
 
 Every setting is a config ``configs/contrastive/<setting>.yaml`` (``random_mask.yaml`` with what the setting
 changes; the data block is ``data_tiny.yaml``), built through the featlearn CLI
@@ -14,8 +14,9 @@ With several ``--seed`` values every cell is ``mean (min-max)`` over seeds (``n/
 undefined for some seed, e.g. T2 never reached).
 
 Default settings (the comparison differs in ONE thing at a time):
-* ``random_mask``: RandomMask views, paper bias schedule (spec 3.3: b = 0 until T1 = first step with
-  ``min_i rho_i >= 1/2``, reset to ``sqrt(2 log d/d)||w_i||``, grown to the cap ``(log d/sqrt d)||w_i||``).
+* ``random_mask``: RandomMask views, paper bias schedule (Wen & Li 2021, Section 2.2: b = 0 until T1, detected
+  as the first step with ``min_i rho_i >= 1/2`` (its Theorem C.1), reset to ``sqrt(2 log d/d)||w_i||``, grown
+  to the cap ``(log d/sqrt d)||w_i||``, our value for the paper's polylog(d)/sqrt d).
 * ``no_augmentation``: positive = the sample itself, the SAME schedule, detected by the same rule on its own
   run. Equal terms: the rule, its constants and the cap are identical; only the step at which T1 fires
   can differ, and the table reports it (column T1) with the bias the run reached (column b/||w||). At
@@ -23,20 +24,24 @@ Default settings (the comparison differs in ONE thing at a time):
   (d = 16, or d1 = 32d) the run keeps b = 0; ``--bias-reset-step N`` then resets every run's bias at step N.
 * ``linear_control``: no augmentation and ``b = 0``, so f(x) = Wx is linear and its probe cannot beat the
   raw-x probe by construction (the old ``no_augmentation`` row; it tests the probes, not the theory).
-* ``coordinate_control``: RandomMask with a coordinate-aligned dictionary (spec 2.4, negative control).
+* ``coordinate_control``: RandomMask with a coordinate-aligned dictionary (negative control: each atom then
+  falls wholly into one view, the views share no sparse signal, and nothing should be learned).
 
 Ablations (``--settings``): ``learned_bias`` / ``learned_bias_no_aug`` (bias learned by SGD with / without
 augmentation, footnote 4) and ``paper_lambda`` (lambda = d^-1.25, inside the paper's range).
 
 Size rule (``--preset tiny|small|medium`` = d 32/64/128; ``--d``, ``--d1``, ``--width-mult`` override):
-* d1 = 8d, m = 4d (``width_mult`` 4), K = 256 anchors per step, N = 8d shared negatives (spec 1.4:
-  256 at d = 32, 512 at d = 64);
-* tau = log d and lambda = d^-1.75 (spec 1.4; ``paper_lambda``: d^-1.25);
-* eta = 2 at every d. The spec's eta = 1 above d = 32 is a proposal for stability, but the finite-K noise
-  ratio it guards, nu = 2 eta sigma^4 d1/(K p) = 16 eta log d/(K log log d) (spec 1.4), is 0.35 / 0.36 /
-  0.38 at d = 32 / 64 / 128 with eta = 2, K = 256: no worse than the validated tiny config;
+* d1 = 8d, m = 4d (``width_mult`` 4), K = 256 anchors per step, N = 8d shared negatives (256 at d = 32,
+  512 at d = 64); the paper fixes none of these numbers;
+* tau = log d (the paper: polylog d) and lambda = d^-1.75, below the paper's range [d^-1.499, d^-1.001]:
+  inside it the weights decay before stage III at small d (``paper_lambda``: d^-1.25);
+* eta = 2 at every d. We considered eta = 1 above d = 32 for stability, but the finite-K noise ratio it
+  would guard (SGD noise against signal growth of ||w||^2 in stage I), nu = 2 eta sigma^4 d1/(K p) =
+  16 eta log d/(K log log d), is 0.35 / 0.36 / 0.38 at d = 32 / 64 / 128 with eta = 2, K = 256: no worse
+  than the validated tiny config;
 * steps = 1000 S(d)/S(32) with S(d) = d log d/log log d, the d-dependence of the stage times T1, T2 =
-  Theta(d log d/(eta log log d)) at fixed eta (spec 5.2): 1000 / 2093 / 4407 steps at d = 32 / 64 / 128.
+  Theta(d log d/(eta log log d)) at fixed eta (Wen & Li 2021, App. C and D.2): 1000 / 2093 / 4407 steps at
+  d = 32 / 64 / 128.
 
 Usage:
     python -m featlearn.experiments.contrastive [--preset tiny] [--seed 0 1 2] [--settings a,b] [--threads 1]

@@ -1,4 +1,4 @@
-"""With vs without prediction head (spec 004), over several seeds and sizes: does the head keep the
+"""With vs without prediction head (Wen & Li 2022), over several seeds and sizes: does the head keep the
 features diverse, does E21 rise and fall, does the loss reach OPT, and how do these trend with d?
 
 ``python -m featlearn.experiments.noncontrastive [--preset demoA ...] [--dim D ...] [--num-patches P]
@@ -6,29 +6,33 @@ features diverse, does E21 rise and fall, does the loss reach OPT, and how do th
 
 Built from ``configs/noncontrastive/experiment.yaml``: its ``variants`` (``with_head_population.yaml`` and
 ``no_head_population.yaml``) give each variant's model (width, head, initialisation) and the demo-A data
-(spec 1.3: P = 32, P0 = 8, alpha = (4, 2.7), noise std 1); its ``presets`` the sizes (``demoA`` d = 100,
-``demoA-d200``, ``demoA-d300``), and ``lr`` / ``flow_time_at_d100`` the step rule. ``--dim`` replaces the
-presets' d (several give one row pair per d), ``--num-patches`` the data's P. Default seeds 100..115.
+(our demo-A choice: P = 32, P0 = 8, alpha = (4, 2.7), noise std 1); its ``presets`` the sizes (``demoA``
+d = 100, ``demoA-d200``, ``demoA-d300``), and ``lr`` / ``flow_time_at_d100`` the step rule. ``--dim``
+replaces the presets' d (several give one row pair per d), ``--num-patches`` the data's P. Default seeds
+100..115.
 
-Dynamics: population gradient descent (the N = infinity limit of Algorithm 1, spec 5.6), run by
+Dynamics: population gradient descent (the N = infinity limit of Wen & Li 2022, Algorithm 1), run by
 ``featlearn.theory.noncontrastive.simulate_population`` with every seed and variant batched in one tensor.
 Each run starts from the W0 its config's ``NonContrastiveModule`` builds with ``init_seed=seed`` (W ~ N(0, I/d)
 from the data's counter-based RNG, lucky neuron first), so the variants pair up by seed. The simulator is
 the module's population mode step for step: ``test_lightning_population_mode_equals_simulator`` checks a
 ``Trainer.fit`` trajectory against it to float64 rounding, with and without head.
 
-Step rule. Phase times grow like d^2/eta (spec 5.2: T1 <= O(d^2/eta), end phase T4 - T3 = d^{2+o(1)}/eta),
-so the gradient-flow time is ``tau = eta * T = 5e4 (d/100)^2`` and ``eta = eta_E = 0.2`` at every d
-(``T = 2.5e5 (d/100)^2`` steps). tau = 5e4 at d = 100 is the spec's 1e6 steps at eta = 0.05 (needed for the
-partial runs to resolve, spec 5.5 test 8). eta = 0.2 is on the gradient-flow path: at d = 100 over
-seeds 0..15 and 100..115, eta = 0.05, 0.1, 0.2 and 0.4 at the same tau end in the same outcome for
-every seed. Each table row also reports how many runs changed outcome in the second half of the budget
-(0 = the budget is long enough for the outcome) and how many ended within 1e-3 of OPT.
+Step rule. Phase times grow like d^2/eta (Wen & Li 2022, Lemma B.13: T1 <= O(d^2/eta); Theorem E.2: end
+phase T4 - T3 = d^{2+o(1)}/eta), so the gradient-flow time is ``tau = eta * T = 5e4 (d/100)^2`` and
+``eta = eta_E = 0.2`` at every d (``T = 2.5e5 (d/100)^2`` steps). tau = 5e4 at d = 100 is 1e6 steps at
+eta = 0.05, the budget our demo-A runs needed for the partial runs to resolve. eta = 0.2 is on the
+gradient-flow path: at d = 100 over seeds 0..15 and 100..115, eta = 0.05, 0.1, 0.2 and 0.4 at the same tau
+end in the same outcome for every seed. Each table row also reports how many runs changed outcome in the
+second half of the budget (0 = the budget is long enough for the outcome) and how many ended within 1e-3 of
+OPT.
 
 Theory (Thm 4.1 vs 4.3, w.p. 1 - o(1) as d grows): with the head the two neurons learn different
 features, E21 rises and falls back to 0, the loss reaches OPT; without it both neurons collapse onto
-v1. At finite d some seeds collapse or stay partial with a head (spec 5.3), and without a head a neuron
-wins whichever feature has the larger alpha_l^6 |B_jl(0)|^4, so some seeds are diverse anyway.
+v1. At finite d some seeds collapse or stay partial with a head (the theorems hold with probability
+1 - o(1) only: when both neurons start close on v1, the lagging one learns v1 before E21 can substitute),
+and without a head a neuron wins whichever feature has the larger alpha_l^6 |B_jl(0)|^4 (:func:`race_rule`),
+so some seeds are diverse anyway.
 
 Writes ``noncontrastive.md`` / ``.json`` and the PNGs ``noncontrastive_E21_d<d>.png`` (E21 of the head runs,
 coloured by outcome) and ``noncontrastive_outcomes.png`` (DIV / COL / PAR with and without head).
@@ -98,8 +102,9 @@ def _median(xs):
 
 
 def race_rule(w0: torch.Tensor, dm) -> list[str]:
-    """No-head outcome the spec predicts from W0 alone (5.2 [derived]): without a head the loss decouples
-    and each neuron wins the feature with the larger alpha_l^6 |B_jl(0)|^4; DIV if the winners differ."""
+    """No-head outcome predicted from W0 alone (our derivation from Wen & Li 2022, App. F): without a head
+    the population loss (its Eq. A.1) decouples over neurons, each neuron runs its own tensor-power race
+    and wins the feature with the larger alpha_l^6 |B_jl(0)|^4; DIV if the winners differ."""
     b0 = w0 @ dm.features.to(w0).T
     picks = (torch.tensor(dm.alphas, dtype=w0.dtype) ** 6 * b0.abs() ** 4).argmax(-1)
     return ["DIV" if int(p[0]) != int(p[1]) else "COL" for p in picks]
@@ -165,7 +170,7 @@ def _cell(row, key, fmt="{:.3f}"):
 def markdown(rows: list[dict], meta: dict) -> str:
     runs_meta = "; ".join(f"d={m['dim']}: lr={m['lr']}, steps={m['steps']}, sim {m['sim_s']} s"
                           for m in meta["sizes"])
-    lines = ["# Non-contrastive learning: with vs without prediction head (spec 004, population GD)", "",
+    lines = ["# Non-contrastive learning: with vs without prediction head (Wen & Li 2022, population GD)", "",
              f"`{meta['command']}`", "",
              f"P={meta['num_patches']}, P0={meta['num_feature_patches']}, alphas={meta['alphas']}, "
              f"noise_std={meta['noise_std']}, width {meta['width']}, seeds {meta['seeds']}, {meta['step_rule']}; {runs_meta}; "
@@ -193,11 +198,11 @@ def markdown(rows: list[dict], meta: dict) -> str:
         lines.append(f"| {r['dim']} | {r['variant']} | " + " | ".join(cells) + " |")
     lines += ["", f"DIV: the two neurons end on different features (|cos| >= 0.5); COL: both on one; PAR: one "
               f"unlearned. Rise+fall: peak |E21| >= {RISE} and final ||offdiag E||_F <= {FALL} x its peak. "
-              f"Phase boundaries (spec 5.2, PhaseTracker, lead = lucky neuron at t = 0; '-' = no run reached it) "
-              f"are medians over the runs that reach them; T2..T4 are stages of the head's substitution "
-              f"mechanism and are n/a without a head. Race rule (spec 5.2 [derived], no head only): each neuron "
-              f"learns the feature with the larger alpha_l^6 |B_jl(0)|^4, predicted from W0 alone; at fixed alphas "
-              f"its DIV probability does not depend on d (B(0) ~ N(0, 1/d) for both features)."]
+              f"Phase boundaries (Wen & Li 2022, Section 5, PhaseTracker, lead = lucky neuron at t = 0; '-' = no "
+              f"run reached it) are medians over the runs that reach them; T2..T4 are stages of the head's "
+              f"substitution mechanism and are n/a without a head. Race rule (our derivation, no head only): "
+              f"each neuron learns the feature with the larger alpha_l^6 |B_jl(0)|^4, predicted from W0 alone; at "
+              f"fixed alphas its DIV probability does not depend on d (B(0) ~ N(0, 1/d) for both features)."]
     for d in sorted({r["dim"] for r in rows}):
         pair = [r for r in rows if r["dim"] == d]
         if len(pair) != 2:
@@ -277,11 +282,11 @@ def run_size(size: dict, args) -> tuple[list[dict], dict, dict, dict]:
     w0 = torch.cat([initial_weights(head_model, dm, seeds), initial_weights(none_model, dm, seeds)])
     out = simulate_population(w0, dm.features, dm.alphas, dm.probs, dm.num_patches, dm.num_feature_patches,
                               dm.noise_std, steps=steps, lr=args.lr, head_lr=args.lr,
-                              head=[head_model.head_kind] * n + [none_model.head_kind] * n,
+                              head=[head_model.hparams.head] * n + [none_model.hparams.head] * n,
                               record_every=record_every, compile=not args.no_compile, chunk=CHUNK, progress=True)
     sim_s = time.time() - t0
-    rows = [summarise(head_name, out, list(range(n)), dm, 1.0, head_model.head_kind != "none"),
-            summarise(none_name, out, list(range(n, 2 * n)), dm, 1.0, none_model.head_kind != "none",
+    rows = [summarise(head_name, out, list(range(n)), dm, 1.0, head_model.hparams.head != "none"),
+            summarise(none_name, out, list(range(n, 2 * n)), dm, 1.0, none_model.hparams.head != "none",
                       race_rule(w0[n:], dm))]
     meta = {"dim": size["dim"], "lr": args.lr, "steps": steps, "flow_time": args.lr * steps,
             "record_every": record_every, "sim_s": round(sim_s, 1)}

@@ -50,9 +50,6 @@ values of each point, fitted the same way).
 from __future__ import annotations
 
 import argparse
-import contextlib
-import ctypes
-import io
 import itertools
 import json
 import math
@@ -60,7 +57,6 @@ import shutil
 import statistics
 import sys
 import time
-import warnings
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -70,13 +66,11 @@ import yaml
 
 from featlearn.bench import harness
 from featlearn.bench.harness import Meter
-from featlearn.cli import make_cli
 from featlearn.errors import ConfigError, DivergenceError
 from featlearn.experiments.common import (CONFIGS, build, experiment_parser, markdown_table, mean_range, progress,
-                                         quiet_lightning, write_results)
+                                         quiet_lightning, resolved_config, write_results)
 
 ROUNDING = ("ceil", "floor", "nearest")
-M_MMAP_THRESHOLD, M_TRIM_THRESHOLD = -3, -1
 
 
 # ------------------------------------------------------------------------------------------------
@@ -327,17 +321,7 @@ def _cli_args(settings: dict) -> list[str]:
 def resolve(base: str, settings: dict) -> dict:
     """``configs/<base>`` with ``settings`` (dotted keys) as the CLI composes and type-checks them, without
     building anything; a value the CLI refuses raises ConfigError with its message."""
-    printed, errors = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(errors), warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*args parameter is intended.*")
-        try:
-            make_cli(["fit", "--config", str(CONFIGS / base), *_cli_args(settings), "--print_config"])
-        except SystemExit as stop:  # --print_config exits once it has printed; a refusal exits with 2
-            if stop.code:
-                message = errors.getvalue().strip().splitlines()
-                raise ConfigError("settings", f"values the config {base} accepts",
-                                  message[-1].removeprefix("error: ") if message else "refused") from None
-    return yaml.safe_load(printed.getvalue())
+    return resolved_config(base, *_cli_args(settings))
 
 
 def resolve_points(sweep: Sweep, seeds: list[int]) -> dict[str, dict]:
@@ -383,28 +367,23 @@ class StepClock(L.Callback):
         self.skip, self.last, self.device = skip, last, device
         self.seconds: list[float] = []
         self.peak_bytes: int | None = None
-        self.meter, self.index, self.rss_base = None, 0, None
+        self.meter, self.index, self.growth = None, 0, harness.ResidentGrowth()
 
     def _memory_step(self) -> bool:
-        return self.device.type == "cpu" and self.index == self.last and harness._LIBC is not None
+        return self.device.type == "cpu" and self.index == self.last and self.growth.available
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self.index = trainer.global_step
         if self._memory_step():
-            harness._LIBC.mallopt(M_MMAP_THRESHOLD, 1 << 16)  # RSS follows live tensors (harness rules)
-            self.rss_base = harness._reset_rss_peak()
+            self.growth.start()
         self.meter = Meter(self.device).__enter__()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.meter.__exit__(None, None, None)
         if self._memory_step():
-            peak = harness._rss_peak()
-            if self.rss_base is not None and peak is not None:
-                self.peak_bytes = max(0, peak - self.rss_base)
-            # back to glibc's steady state after its dynamic growth (32 MiB mmap, 64 MiB trim thresholds), so
-            # the next point's steps are timed under the policy the earlier ones had
-            harness._LIBC.mallopt(M_MMAP_THRESHOLD, 32 << 20)
-            harness._LIBC.mallopt(M_TRIM_THRESHOLD, 64 << 20)
+            grown = self.growth.stop()  # glibc back to its steady state for the next point's timed steps
+            if grown is not None:
+                self.peak_bytes = grown
             return
         if self.index >= self.skip:
             self.seconds.append(self.meter.seconds)

@@ -1,4 +1,4 @@
-"""Feature learning from input structure (seed 003 chapter 2, spec 003a section 1): the two-layer network
+"""Feature learning from input structure (Shi 2024, Chapter 2 = Shi, Wei & Liang 2022): the two-layer network
 against fixed-feature baselines, Table A.1 (parity, d = 500) printed beside the paper's numbers.
 
 ``python -m featlearn.experiments.two_layer [--table A1|A2|A3|MOG] [--seed S ...] [--lr3-grid M ...]
@@ -9,16 +9,17 @@ w/o structure) each run their config (``network.yaml``, ``ntk.yaml``, ...) on th
 with the table's width m and step count T. Every method that takes stage-3 steps gets the same tuning
 budget: each multiplier of ``lr3_grid`` (of the theory's stage-3 step size) is trained on the first seed
 and the one with the best validation accuracy is kept for every seed. One / Two Step are "the best
-classifiers" on the frozen hidden layer (A.7.1), solved exactly, so they have no step size to tune. Cells
-are accuracy in % (train, test on a fresh 10,000-sample set) and ``CosSim = max_i cos(w_i, sum_A M_j)`` at
-the end (for RF the init, for One / Two Step the frozen first layer after step 1 / 2; NA for the NTK,
-whose features are the init's). Several seeds give ``mean (min-max)``.
+classifiers" on the frozen hidden layer (Shi 2024, Section A.7.1), solved exactly, so they have no step
+size to tune. Cells are accuracy in % (train, test on a fresh 10,000-sample set) and
+``CosSim = max_i cos(w_i, sum_A M_j)`` at the end (for RF the init, for One / Two Step the frozen first
+layer after step 1 / 2; NA for the NTK, whose features are the init's). Several seeds give
+``mean (min-max)``.
 
-``--table MOG``: the mixture of Gaussians on hypercube vertices (A.7.3, Table A.6: (d, k, sigma_r) =
-(100, 4, 1), (25, 4, 0.7), (100, 5, 1)), trained by "typical practice" (``mog.yaml``: plain minibatch
-steps, no feature-learning steps, since gamma = 0 there) for the Network and its NTK / RF; the paper
-prints no accuracies, so the table has ours, and as Cos the centre coverage: over the 2^k cluster centres,
-the best neuron's cosine with each, worst and mean.
+``--table MOG``: the mixture of Gaussians on hypercube vertices (Shi 2024, Section A.7.3, Table A.6:
+(d, k, sigma_r) = (100, 4, 1), (25, 4, 0.7), (100, 5, 1)), trained by "typical practice" (``mog.yaml``:
+plain minibatch steps, no feature-learning steps, since gamma = 0 there) for the Network and its NTK / RF;
+the paper prints no accuracies, so the table has ours, and as Cos the centre coverage: over the 2^k cluster
+centres, the best neuron's cosine with each, worst and mean.
 
 Theory (Theorems 2.2-2.4 and A.20): the network's neurons align with ``+-sum_A M_j`` after step 2 and it
 reaches ~100%; fixed features (NTK, RF) and the step-1 features cannot fit the parity; without input
@@ -170,7 +171,7 @@ def cells(result: dict) -> dict[str, str]:
 def markdown(results: dict, meta: dict) -> str:
     mog = meta["table"] == "MOG"
     first = meta["seeds"].split(",")[0].split("..")[0]
-    lines = [f"Seed 003 chapter 2, Table {meta['table']}: measured{'' if mog else ' (paper)'}. {meta['command']}", "",
+    lines = [f"Shi 2024, Chapter 2, Table {meta['table']}: measured{'' if mog else ' (paper)'}. {meta['command']}", "",
              f"seeds {meta['seeds']}; n = {meta['num_train']} training samples; wall {meta['wall_s']} s. Same tuning "
              f"budget for every column that takes stage-3 steps: its step size chosen from x{meta['lr3_grid']} of "
              f"the theory's on validation accuracy (seed {first}); lambda^(3..T) x{SETTINGS['reg3_mult']}." +

@@ -1,4 +1,4 @@
-"""Seed 003, chapter 7: universality vs label efficiency of contrastive learning, and contrastive regularisation.
+"""Shi 2024, Chapter 7: universality vs label efficiency of contrastive learning, and contrastive regularisation.
 
 On the linear multi-task model (``configs/universality/data_tiny.yaml``: s = 5 shared, r = 10 invariant features
 per task, u = 10 spurious, label noise 0.25), for each seed and each ``T`` of the c-table:
@@ -79,7 +79,7 @@ def run_mode(mode: str, T: int, seed: int, out: Path, args, reference: str | Non
     with torch.no_grad():
         idx = torch.arange(SETTINGS["loss_samples"], device=model.device) + 10 ** 9
         batch = dm.sample(idx, "train")
-        loss = float(contrastive_loss(model(batch["x"]), model(batch["x_pos"]), model.hp.loss))
+        loss = float(contrastive_loss(model(batch["x"]), model(batch["x_pos"]), model.hparams.loss))
     tasks = range(T) if mode == "universal" else [model.target]
     theory_loss = contrastive_loss_closed_form(p["S"], [p[f"P{t}"] for t in tasks], dm.s, dm.r, samples=100_000)
     overlap = private_overlap(model.w.detach(), dm.M, dm.groups, model.target)
@@ -225,7 +225,8 @@ def main(argv=None) -> dict:
              f"Loss: the multi-negative logistic loss on {SETTINGS['loss_samples']} fresh pairs (batch-mean negative), "
              f"theory: E log(1 + exp(-(c_S Z + c_P Z_t))) at the predicted c. Total wall time {wall:.0f} s.")
     write_results(args.out, "universality_c", {"results": results, "notes": notes},
-                  f"# Seed 003 ch. 7: column norms c = ||(W M)_:,j||^2 per group, measured vs theory\n\n{ctext}\n\n{notes}")
+                  f"# Shi 2024, Chapter 7: column norms c = ||(W M)_:,j||^2 per group, measured vs theory\n\n"
+                  f"{ctext}\n\n{notes}")
     mtext, etext = m_table(sweeps, args.m), m_table(sweeps, args.m, "errors_erm")
     bounds = next(iter(sweeps.values()))["erm_bound"]
     cka = {pair: mean_range([s["cka"][pair] for s in sweeps.values()]) for pair in next(iter(sweeps.values()))["cka"]}
@@ -247,7 +248,7 @@ def main(argv=None) -> dict:
             xlabel="labels m", ylabel="test MSE", logx=True,
             title=f"{probe}, T = {args.sweep_T} (one curve per seed)")
     write_results(args.out, "universality_m", {"sweeps": sweeps, "notes": mnotes},
-                  f"# Seed 003 ch. 7: downstream test MSE against m (target task and another task)\n\n"
+                  f"# Shi 2024, Chapter 7: downstream test MSE against m (target task and another task)\n\n"
                   f"## Ridge, lambda by leave-one-out\n\n{mtext}\n\n"
                   f"## Norm-constrained ERM, ||u|| <= B_phi,t\n\n{etext}\n\n{cka_text}\n\n{mnotes}",
                   figures=figures)

@@ -1,4 +1,4 @@
-"""MAE vs contrastive learning with a one-layer softmax ViT across the information gap Delta (seed 002).
+"""MAE vs contrastive learning with a one-layer softmax ViT across the information gap Delta (Huang et al. 2025).
 
     python -m featlearn.experiments.vit                      # p256_pos and p256_neg, MAE and CL, seeds 0 1 2
     python -m featlearn.experiments.vit --seed 0             # one seed (~1.5 min on one thread)
@@ -9,15 +9,17 @@ Every data point runs two configs of ``configs/vit/``: ``p256_pos`` (P = 256, 12
 16, Delta = +0.25) is ``mae.yaml`` and ``cl.yaml``; ``p256_neg`` (32 global + 14 local areas, Delta = -0.25)
 ``mae_neg.yaml`` and ``cl_neg.yaml``; ``p256_pos_small`` (64 global + 48 local areas of 4, Delta = +0.25)
 ``mae_small_areas.yaml`` (gamma = 0.5) and ``cl.yaml`` with its exponents and ``d = roundup(P + K N, 64)``.
-``--delta D`` adds points at P = 256, C_s = 16: the leftover rule of spec 1.6 allows only global areas
-``C_1 = 256 - 16 n`` there, so D picks the one whose Delta is nearest (:func:`delta_point`) and runs
-``mae.yaml`` and ``cl.yaml`` with ``--data.init_args.kappa_c ln C_1 / ln 256``. A run with seed S adds
+``--delta D`` adds points at P = 256, C_s = 16: our size rule (whole local areas of C_s patches, the
+leftover patches joining the global area) allows only global areas ``C_1 = 256 - 16 n`` there, so D picks
+the one whose Delta is nearest (:func:`delta_point`) and runs ``mae.yaml`` and ``cl.yaml`` with
+``--data.init_args.kappa_c ln C_1 / ln 256``. A run with seed S adds
 ``--seed_everything S --data.init_args.seed S`` (partitions and samples); seed 0 is the config as shipped.
 Each per-seed entry's ``config`` in the JSON is the ``lightning fit`` command that trains the same run; its
 TensorBoard logs and checkpoints are in ``<out>/<point>/seed<S>/``.
 
-MAE (``mae.yaml``): K = 4, gamma = 0.75, the exact structured path, SGD with spec 4.4's eta, B = 32, 300
-steps. CL (``cl.yaml``): K = 8, d = 512, gamma0 = 0.5, tau = 1/ln d, eta = 5000, B = 32, 200 steps.
+MAE (``mae.yaml``): K = 4, gamma = 0.75, the exact structured path, SGD with our eta rule
+(``featlearn.theory.vit.eta_mae``: the first step moves the local own-area correlation by about 0.02), B = 32,
+300 steps. CL (``cl.yaml``): K = 8, d = 512, gamma0 = 0.5, tau = 1/ln d, eta = 5000, B = 32, 200 steps.
 Every ``--every`` steps (and at step 0) a callback evaluates the module's own metrics on a fixed held-out
 batch of the validation split (``--eval-batch`` samples, fixed masks): the correlations ``phi_local_own``,
 ``phi_local_to_global``, ``phi_global_own`` and the attention ``attn_own_local`` (queries whose own area
@@ -25,7 +27,7 @@ has an unmasked patch), ``attn_own_global``, ``attn_glob_from_local``, ``attn_to
 curves of the figure, and their step-0 values the measured init. The table's end values are the module's
 ``final_metrics()`` (what ``hp/`` shows in TensorBoard), on its last training batch.
 
-Theory (Thm 4.1, 4.2, 4.4; spec 5.2-5.3): MAE attends to each masked patch's own area, local and global,
+Theory (Huang et al. 2025, Thm 4.1, 4.2, 4.4): MAE attends to each masked patch's own area, local and global,
 for either sign of Delta; for Delta > 0 a local patch's correlation with the global feature first dips to
 about ``-(Delta / 2L) ln P`` before its own-area correlation grows (two phases), for Delta < 0 it barely
 moves. CL collapses: every query's attention goes to the global area, its own local area stays at or below
@@ -99,8 +101,9 @@ PRESETS = {
 
 def delta_point(delta: float) -> Point:
     """The P = 256, C_s = 16 data point whose effective Delta is nearest ``delta``: ``mae.yaml`` / ``cl.yaml``
-    with ``kappa_c = ln C_1 / ln 256`` for the global area ``C_1 = 256 - 16 n`` (n = 1 .. 14 local areas; the
-    spec 1.6 leftover rule allows no other sizes at C_s = 16), so nominal and effective Delta agree.
+    with ``kappa_c = ln C_1 / ln 256`` for the global area ``C_1 = 256 - 16 n`` (n = 1 .. 14 local areas; our
+    size rule, leftover patches to the global area, allows no other sizes at C_s = 16), so nominal and
+    effective Delta agree.
 
     Example:
         >>> p = delta_point(-0.1)
@@ -153,7 +156,7 @@ class TheoryCurves(L.Callback):
             met = module.metrics(batch, out)
             met["loss"], A, own = out["loss"], out["A"], batch["area"]
         met.update(module.phi_metrics())
-        met["attn_own_local"] = met["attn_own_local_visible"]  # the event E_{k,n} of Lemma D.6 (spec 1.6)
+        met["attn_own_local"] = met["attn_own_local_visible"]  # the event E_{k,n} of Huang et al. 2025, Lemma D.6
         return met, A, own
 
     def _record(self, module, step: int) -> None:
@@ -237,7 +240,8 @@ def summarise(method: str, point: Point, runs: list[dict]) -> dict:
         row[key] = None if any(v is None for v in values) else sum(values) / len(values)
     row["attn_global_end_minus_init"] = row["attn_global"] - row["init_attn_global"]
     row["own_area_local_end_minus_init"] = row["own_area_local"] - row["init_own_area_local"]
-    # spec 5.2: for Delta > 0 the global correlation of a local patch stops near -(Delta / 2L) ln P (L = z_low)
+    # Huang et al. 2025, Thm 4.2(b) and App. F.2: for Delta > 0 the global correlation of a local patch stops near
+    # -(Delta / 2L) ln P (L = z_low)
     row["theory_dip"] = (-(first["delta_eff"] / (2 * first["z_low"])) * math.log(first["P"])
                          if method == "mae" and first["delta_eff"] > 0 else None)
     row["per_seed"] = runs
@@ -259,7 +263,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
     head = ("| method | data | Delta (eff) | steps, eta | own-area attn, local queries | init | own-area attn, "
             "global queries | local queries' attn to the global area | init | attn to masked keys | final loss | "
             "floor | phi_loc->glob: min over steps (step) | phi_loc->glob end | phi_loc->own | phi_glob->own |")
-    lines = ["# One-layer softmax ViT: MAE vs contrastive learning across Delta (spec 002)", "",
+    lines = ["# One-layer softmax ViT: MAE vs contrastive learning across Delta (Huang et al. 2025)", "",
              f"`{meta['command']}`", "", head, "|" + "---|" * 16]
     for r in rows:
         runs = r["per_seed"]
@@ -286,9 +290,10 @@ def checks(rows: list[dict]) -> list[str]:
     cl = [r for r in rows if r["method"] == "cl"]
     for r in mae:
         ok = r["own_area_local"] >= 0.85 and r["own_area_global"] >= 0.9
-        out.append(f"- MAE attends to its own area ({r['point']}, Delta {r['delta_eff']:+.2f}; spec T6: local >= "
-                   f"0.85, global >= 0.9): local {r['own_area_local']:.3f}, global {r['own_area_global']:.3f}, "
-                   f"global area from local queries {r['attn_global']:.3f}: {'holds' if ok else 'FAILS'}.")
+        out.append(f"- MAE attends to its own area ({r['point']}, Delta {r['delta_eff']:+.2f}; Thm 4.1, our "
+                   f"thresholds: local >= 0.85, global >= 0.9): local {r['own_area_local']:.3f}, "
+                   f"global {r['own_area_global']:.3f}, global area from local queries {r['attn_global']:.3f}: "
+                   f"{'holds' if ok else 'FAILS'}.")
     for r in mae:
         last = r["phi_local_to_global_argmin_step"] >= r["steps"] - 1
         phase = ("" if r["step_own_local_half"] is None else
@@ -316,8 +321,9 @@ def checks(rows: list[dict]) -> list[str]:
                        f"{n['step_own_local_half']:.0f} (a delay of 1.5x or more would show the phases): "
                        f"{'holds' if ok else 'FAILS'}.")
             ok = p["phi_local_to_global_min"] <= 2 * n["phi_local_to_global_min"] < 0
-            out.append(f"- The dip is at least 2x deeper for Delta > 0 (spec T6; {p['point']} vs {n['point']}): "
-                       f"{p['phi_local_to_global_min']:.2f} vs {n['phi_local_to_global_min']:.2f}, ratio "
+            out.append(f"- The dip is at least 2x deeper for Delta > 0 (Thm 4.2, our 2x threshold; {p['point']} vs "
+                       f"{n['point']}): {p['phi_local_to_global_min']:.2f} vs "
+                       f"{n['phi_local_to_global_min']:.2f}, ratio "
                        f"{p['phi_local_to_global_min'] / n['phi_local_to_global_min']:.1f}: "
                        f"{'holds' if ok else 'FAILS'}.")
     for r in cl:
@@ -327,7 +333,7 @@ def checks(rows: list[dict]) -> list[str]:
         out.append(f"- CL collapses onto the global area ({r['point']}, Delta {r['delta_eff']:+.2f}): local queries' "
                    f"attention to the global area {r['init_attn_global']:.3f} -> {r['attn_global']:.3f} "
                    f"({rise:+.3f}), own local area {r['init_own_area_local']:.4f} -> {r['own_area_local']:.4f} "
-                   f"({own:+.4f}; spec T7: <= +0.005): {'holds' if ok else 'FAILS'}.")
+                   f"({own:+.4f}; Thm 4.4, our tolerance: <= +0.005): {'holds' if ok else 'FAILS'}.")
     for r in mae:
         other = next((c for c in cl if c["point"] == r["point"]), None)
         if other is not None:
@@ -340,11 +346,12 @@ def checks(rows: list[dict]) -> list[str]:
 def notes(meta: dict) -> str:
     return (f"Seeds {meta['seeds']}: each cell is the value (one seed) or mean (min-max). End values: the "
             f"module's final_metrics() on its last training batch (B = 32). Own-area attention of local "
-            f"queries counts queries whose own area has an unmasked patch (spec 1.6); MAE metrics read masked "
-            f"queries, CL metrics every query of the anchor view X^+. init: mean over seeds at step 0 on the fixed "
-            f"held-out batch ({meta['eval_batch']} validation samples), theory (1 - gamma) C / P (spec 5.4). "
-            f"Final loss: MAE per masked patch against the floor 1/2 E[z^2] P(area fully masked | p masked) "
-            f"(spec A6); CL the in-batch InfoNCE loss against the cluster-only level tau E[log(1 + n)], n ~ "
+            f"queries counts queries whose own area has an unmasked patch (the event E_{{k,n}} of Lemma D.6); "
+            f"MAE metrics read masked queries, CL metrics every query of the anchor view X^+. init: mean over "
+            f"seeds at step 0 on the fixed held-out batch ({meta['eval_batch']} validation samples), theory "
+            f"(1 - gamma) C / P (uniform attention at Q = 0). Final loss: MAE per masked patch against the floor "
+            f"1/2 E[z^2] P(area fully masked | p masked) (our floor: attending to masked keys can beat the "
+            f"paper's L^low); CL the in-batch InfoNCE loss against the cluster-only level tau E[log(1 + n)], n ~ "
             f"Bin(B - 1, 1/K) (not a strict bound). phi_loc->glob: mean over local positions of Phi_{{p -> "
             f"v_k,1}}, its minimum over every step (0 at step 0 if it never falls) and the step of it (mean over "
             f"seeds); the theory's plateau for Delta > 0 is -(Delta/2L) ln P with L = 0.9. Wall time "

@@ -13,7 +13,9 @@ Every run gets a :class:`~featlearn.callbacks.DivergenceGuard`, a
 :class:`~featlearn.callbacks.FinalCheckpoint` that keeps ``last.ckpt``, the final state (``--checkpoint.*``); TensorBoard is the default logger. A config value outside
 what a method allows is refused before training with a message naming the field.
 """
+import argparse
 import ast
+import difflib
 import math
 import re
 import sys
@@ -29,6 +31,7 @@ from featlearn.checkpoints import check_fits, class_path, read_checkpoint
 from featlearn.datamodules.base import SyntheticDataModule
 from featlearn.errors import ConfigError, DivergenceError
 from featlearn.lightning_modules.base import FeatureLearningModule
+from featlearn.quiet import quiet_known_noise
 from featlearn.validation import NonNegativeInt, PositiveInt, accepts, describe, int_at_least, number_type
 
 GrowthFactor = number_type("GrowthFactor", float, 1, math.inf, True, True, "a finite factor > 1")
@@ -58,6 +61,16 @@ RUN_FIELDS = {
 # names Lightning resolves itself from the run's checkpoint callback
 _CKPT_ALIASES = ("last", "best", "hpc")
 
+OTHER_COMMANDS = """featlearn's own commands (also `featlearn <command> --help`):
+  featlearn bench op|step|plot ...   fused ops and training steps vs eager and torch.compile
+  featlearn profile --config CFG     a torch.profiler trace of a few training steps
+  featlearn gpu compile|check|wheels GPU readiness: sm_90 builds offline, the prepared GPU check
+experiments: python -m featlearn.experiments.<mrp|contrastive|noncontrastive|vit|two_layer|universality|sweep> --help"""
+
+
+class _RawEpilog(argparse.RawDescriptionHelpFormatter):
+    """Keeps the epilog's lines (the list of featlearn's other commands) as written."""
+
 
 class FeatlearnCLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
@@ -69,7 +82,23 @@ class FeatlearnCLI(LightningCLI):
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("parser_class", _ShortErrorParser)
+        # no prefix matching: `--trainer.max_step 5` is refused (with a suggestion), not read as max_steps
+        kwargs.setdefault("parser_kwargs", {"allow_abbrev": False, "epilog": OTHER_COMMANDS,
+                                            "formatter_class": _RawEpilog})
+        quiet_known_noise()
         super().__init__(*args, **kwargs)
+
+    def before_fit(self) -> None:
+        if self.trainer.is_global_zero:
+            where = self.trainer.log_dir
+            print(f"featlearn: logs in {where} (tensorboard --logdir {where})" if where else
+                  "featlearn: no logger (trainer.logger is false): metrics are not written", flush=True)
+
+    def after_fit(self) -> None:
+        final = next((c for c in self.trainer.callbacks if isinstance(c, FinalCheckpoint)), None)
+        if self.trainer.is_global_zero and final is not None and final.last_model_path:
+            print(f"featlearn: final checkpoint {final.last_model_path} (resume or evaluate with --ckpt_path)",
+                  flush=True)
 
     def _instantiate_trainer(self, config: dict, callbacks: list):
         """Show training progress in steps against ``max_steps`` (:class:`StepProgressBar`) unless the
@@ -142,7 +171,26 @@ class _ShortErrorParser(LightningArgumentParser):
     def error(self, message: str, ex: Exception | None = None):
         if not self.exit_on_error:  # an inner parser: its caller reports the error
             return super().error(message, ex)
-        _refuse(short_message(message))
+        _refuse(short_message(message) + self._suggestion(message))
+
+    def _suggestion(self, message: str) -> str:
+        """``; did you mean --trainer.max_steps?`` for an option or config key the parser does not know."""
+        unknown = (re.search(r"unrecognized arguments: -*([\w.]+)", message, re.IGNORECASE)
+                   or re.search(r"does not accept option '([\w.]+)'", message))
+        if unknown is None:
+            return ""
+        known = [o[2:] for p in self._parsers() for o in p._option_string_actions if o.startswith("--")]
+        close = difflib.get_close_matches(unknown.group(1), known, n=1, cutoff=0.75)
+        return f"; did you mean --{close[0]}?" if close else ""
+
+    def _parsers(self):
+        """This parser and its subcommands' (``fit``, ``validate``, ...)."""
+        found = [self]
+        for action in self._actions:
+            choices = getattr(action, "choices", None)
+            if isinstance(choices, dict):
+                found += [p for p in choices.values() if isinstance(p, argparse.ArgumentParser)]
+        return found
 
 
 def _refuse(line: str):

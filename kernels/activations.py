@@ -1,4 +1,4 @@
-"""Pointwise activations of the patch encoder: smoothed ReLU (spec 2.1), ReLU and the power z**q.
+"""Pointwise activations of the patch encoder: smoothed ReLU (Pan et al. 2023, Sec. 3.2), ReLU and the power z**q.
 
 The smoothed ReLU with integer degree ``q >= 2`` and threshold ``rho > 0`` is
 
@@ -32,7 +32,7 @@ ACTIVATIONS = ("srelu", "relu", "pow")
 
 
 def smoothed_relu(z: torch.Tensor, q: int, rho: float) -> torch.Tensor:
-    """Smoothed ReLU of spec 2.1 (branch-free form), differentiable with autograd.
+    """Smoothed ReLU of Pan et al. 2023, Sec. 3.2 (branch-free form), differentiable with autograd.
 
     Example:
         >>> smoothed_relu(torch.tensor([0.0, 0.1, 1.0]), q=2, rho=0.2)

@@ -13,6 +13,7 @@ import contextlib
 import functools
 import math
 import os
+from typing import Literal, get_args
 
 import torch
 import triton
@@ -20,8 +21,12 @@ import triton.language as tl
 
 from featlearn.errors import ConfigError
 
-BACKENDS = ("auto", "torch", "triton")
-PRECISIONS = ("auto", "tf32", "ieee")
+# the ``backend=`` and ``input_precision=`` choices of every op and every module that runs one (LightningCLI
+# reads the Literal, so ``--model.init_args.backend torch`` is checked when the config is parsed)
+Backend = Literal["auto", "torch", "triton"]
+Precision = Literal["auto", "tf32", "ieee"]
+BACKENDS: tuple[str, ...] = get_args(Backend)
+PRECISIONS: tuple[str, ...] = get_args(Precision)
 FLOAT_DTYPES = (torch.float32, torch.float64)
 _SUPPORTED = "supported: " + ", ".join(str(d) for d in FLOAT_DTYPES) + " (all inputs the same dtype)"
 
@@ -57,6 +62,17 @@ def profiled(op):
         with torch.profiler.record_function(name):
             return op(*args, **kwargs)
     return call
+
+
+def refuse_shape(op: str, field: str, t: torch.Tensor, requirement: str):
+    """Raise the :class:`KernelInputError` of a tensor argument of the wrong shape (every op's shape refusal).
+
+    Example:
+        >>> refuse_shape("op", "x", torch.zeros(2, 3, 4), "must be a 2-D tensor [B, d]")
+        Traceback (most recent call last):
+        featlearn.kernels.backend.KernelInputError: op: x has shape [2, 3, 4]; must be a 2-D tensor [B, d]
+    """
+    raise KernelInputError(op, field, f"has shape {list(t.shape)}", requirement, tuple(t.shape))
 
 
 def check_float_inputs(op: str, **tensors: torch.Tensor | None) -> torch.dtype:
@@ -153,7 +169,7 @@ def cublas_precision(precision: str):
 # row tiles sweep the column tiles together (grouped_tile), so each column tile of the second operand is
 # read from HBM once per group and reused from L2 by the group's other programs.
 # MMA_TILES serve TF32 dots (tensor cores, accumulators spread over the warps' MMA fragments); the
-# 16-column tiles are for very narrow outputs (spec 004's encoder has R = 2 kernels): a 64-wide tile
+# 16-column tiles are for very narrow outputs (the non-contrastive encoder has R = 2 kernels): a 64-wide tile
 # would spend 32x the needed MMA work there, and 64-row blocks give enough programs to fill the SMs.
 MMA_TILES = ((128, 128, 32, 8, 8, 3), (128, 128, 64, 8, 8, 3), (128, 64, 32, 8, 4, 4), (64, 128, 32, 8, 4, 4),
              (64, 64, 32, 8, 4, 4), (128, 128, 32, 1, 8, 3), (64, 16, 64, 8, 4, 3), (128, 16, 64, 8, 4, 3))
@@ -174,7 +190,8 @@ def tiles_by_precision(tf32, ieee, fp64, tf32_unaligned=None, sizes=()):
     list without warps and stages), a call may use with TF32 dots, IEEE float32 dots (or no dots) and
     float64; ``tf32_unaligned``: with TF32 dots when one of the ``sizes`` arguments is not a multiple of 16
     (unaligned rows load element by element and hold more registers). Each list is what the sm_90
-    compile report found spill-free for that kernel at the spec sizes.
+    compile report found spill-free for that kernel at the sizes of
+    :mod:`featlearn.gpu.cases`.
 
     Example:
         >>> fits = tiles_by_precision(tf32=[(64, 64, 32, 8)], ieee=[(32, 32, 16, 8)], fp64=[(32, 32, 16, 8)])

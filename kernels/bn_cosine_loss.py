@@ -1,20 +1,20 @@
-"""Fused batch-norm-normalised cosine loss of non-contrastive learning (spec 004, sections 3.3, 4.1, 7.3 K3).
+"""Fused batch-norm-normalised cosine loss of non-contrastive learning (Wen & Li 2022, eq. 3.1, 3.3, A.1).
 
 Online outputs ``p = F [N, m]`` (after the prediction head) and target outputs ``z = G [N, m]`` (stop-grad)
-are each normalised and compared by the mean squared error (the paper's eq. 3.3 with the constant fixed
-as in spec 004 section 8.1):
+are each normalised and compared by the mean squared error (the paper's eq. 3.3 with its constant fixed
+to agree with the batch-norm outputs and with eq. A.1):
 
 * ``out_norm="bn"`` (default): every column is batch-normalised with *batch* statistics (biased variance,
   no affine, no running stats, ``eps`` default 0)::
 
       L = 1/(m N) sum_i ||BN(F)_i - BN(G)_i||^2  =  2 - (2/m) sum_j rho_j        (eps = 0)
 
-  with ``rho_j`` the batch correlation of column j of F and G.  Gradient (spec 4.2, general eps)::
+  with ``rho_j`` the batch correlation of column j of F and G.  Gradient (general eps)::
 
       dL/dF_ij = 2 a_j / (m N) * ((1 - r_j + rho_j) F~_ij - G~_ij),   a_j = (var F_j + eps)^-1/2,
       r_j = var F_j / (var F_j + eps),  F~ = (F - mu_F) a,  rho_j = mean_i F~_ij G~_ij
 
-  (eps = 0 gives the spec's ``-(2 / (m N sd_j)) (G~ - rho F~)``).
+  (eps = 0 gives ``-(2 / (m N sd_j)) (G~ - rho F~)``).
 * ``out_norm="l2"``: per-row l2 normalisation (the ablation of Fig. 3): ``L = 1/N sum_i ||F^_i - G^_i||^2``
   with ``F^_i = F_i / sqrt(||F_i||^2 + eps)``, i.e. ``2 - 2 mean_i cos(F_i, G_i)`` at eps = 0.
 
@@ -74,7 +74,8 @@ import triton.language as tl
 from featlearn.errors import ConfigError
 from featlearn.kernels import backend as kb  # kb.new_output: one allocation seam for every op
 from featlearn.kernels.backend import (KernelInputError, acc_dtype, autotune, check_backend,
-                                       check_float_inputs, contiguous, resolve_backend, tile_grid, tiles_by_precision)
+                                       check_float_inputs, contiguous, refuse_shape, resolve_backend, tile_grid,
+                                       tiles_by_precision)
 
 __all__ = ["bn_cosine_loss", "bn_cosine_loss_reference", "bn_column_stats", "BNCosineLossFunction", "OUT_NORMS"]
 
@@ -424,11 +425,11 @@ def _check(op, p, z, out_norm, eps):
         raise ConfigError("eps", "a finite number >= 0", eps)
     for name, t in (("p", p), ("z", z)):
         if t.dim() != 2:
-            raise ConfigError(name, "a 2-D tensor [N, m]", tuple(t.shape))
+            refuse_shape(op, name, t, "must be a 2-D tensor [N, m]")
     if p.shape != z.shape:
-        raise ConfigError("z", f"the shape of p {tuple(p.shape)}", tuple(z.shape))
+        refuse_shape(op, "z", z, f"must have the shape of p {list(p.shape)}")
     if p.shape[1] < 1:
-        raise ConfigError("p", "at least one column", tuple(p.shape))
+        refuse_shape(op, "p", p, "must have at least one column")
 
 
 # rows the loss needs: batch statistics need two, a per-row norm one

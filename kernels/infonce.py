@@ -1,8 +1,9 @@
-"""Stop-gradient InfoNCE (spec 001 eq. 2.2): the contrastive loss of seed 001, streamed over the negatives.
+"""Stop-gradient InfoNCE (Wen & Li 2021, Def. 2.2), streamed over the negatives.
 
 ``loss_k = -<a_k, q_k> + tau * logsumexp([<a_k,q_k>, <a_k,n_s>]_s / tau)`` with the positive ``q`` and the
 negatives treated as constants, so only the anchor receives gradient:
-``dL/df(a) = -(1 - l_p) f(q) + sum_s l_s f(n_s)`` (spec 4.2, sign corrected; :func:`infonce_grad_closed_form`).
+``dL/df(a) = -(1 - l_p) f(q) + sum_s l_s f(n_s)`` (Wen & Li 2021, App. A.1, sign corrected;
+:func:`infonce_grad_closed_form`).
 
 Backend: PyTorch only, no ``backend=`` argument. The op is two small GEMMs per chunk of negatives
 (similarities, then the softmax-weighted sum of the negatives), which cuBLAS already runs at roofline, so
@@ -23,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from featlearn.errors import ConfigError
-from featlearn.kernels.backend import check_float_inputs, profiled
+from featlearn.kernels.backend import check_float_inputs, profiled, refuse_shape
 
 __all__ = ["infonce_stopgrad", "infonce_reference", "infonce_grad_closed_form", "InfoNCEStopGradFunction"]
 
@@ -94,7 +95,7 @@ class InfoNCEStopGradFunction(torch.autograd.Function):
 @profiled
 def infonce_stopgrad(h_anchor: torch.Tensor, h_pos: torch.Tensor, h_neg: torch.Tensor, temperature: float,
                      chunk_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-anchor stop-gradient InfoNCE (spec eq. 2.2) and the positive's softmax weight.
+    """Per-anchor stop-gradient InfoNCE (Wen & Li 2021, Def. 2.2) and the positive's softmax weight.
 
     ``loss_k = -<a_k, q_k> + tau * logsumexp([<a_k,q_k>, <a_k,n_s>]_s / tau)`` with ``q`` and the
     negatives treated as constants. Negatives are a shared pool ``[N, m]`` or per anchor ``[K, N, m]``;
@@ -113,7 +114,7 @@ def infonce_stopgrad(h_anchor: torch.Tensor, h_pos: torch.Tensor, h_neg: torch.T
     if temperature <= 0:
         raise ConfigError("temperature", "> 0", temperature)
     if h_neg.dim() not in (2, 3):
-        raise ConfigError("h_neg", "[N, m] or [K, N, m]", tuple(h_neg.shape))
+        refuse_shape("infonce_stopgrad", "h_neg", h_neg, "must be [N, m] or [K, N, m]")
     n = h_neg.shape[-2]
     chunk = n if chunk_size is None else int(chunk_size)
     if chunk < 1:
@@ -123,7 +124,8 @@ def infonce_stopgrad(h_anchor: torch.Tensor, h_pos: torch.Tensor, h_neg: torch.T
 
 def infonce_grad_closed_form(h_anchor: torch.Tensor, h_pos: torch.Tensor, h_neg: torch.Tensor,
                              temperature: float) -> torch.Tensor:
-    """Corrected spec 4.2 gradient ``dL/df(a) = -(1 - l_p) f(q) + sum_s l_s f(n_s)`` per anchor ``[K, m]``.
+    """The gradient of Wen & Li 2021, App. A.1, sign corrected: ``dL/df(a) = -(1 - l_p) f(q) + sum_s l_s f(n_s)`` per
+    anchor ``[K, m]``.
 
     (The paper prints ``+(1 - l_p)``, a sign error.)
     """

@@ -1,4 +1,4 @@
-"""Masked softmax attention with shared query rows and large head dim (spec 002 sections 3, 7.1, 7.3).
+"""Masked softmax attention with shared query rows and large head dim (the ViTs of Huang et al. 2025).
 
 For keys K[b] (P, d), values V[b] (P, dv) and queries q[b, i] (d,)::
 
@@ -10,8 +10,8 @@ For keys K[b] (P, d), values V[b] (P, dv) and queries q[b, i] (d,)::
 Queries come either per sample, ``(B, Pq, d)``, or as rows ``(R, d)`` shared by every sample (MAE: a
 masked query is ``e_p``, so its row ``e_p^T Q`` is the same in every sample), picked per sample by a
 ``(B, Pq)`` long ``query_index`` (or all R rows in order when it is None). The gradient of a shared row
-is the sum over every (b, i) that gathered it. ``group_attn`` is the spec's area reduction (unmasked
-area attention ``A_{p,m}``: give masked keys a group of their own) without a (B, Pq, P) tensor.
+is the sum over every (b, i) that gathered it. ``group_attn`` is the area reduction (the unmasked
+area attention ``A_{p,m}`` of the paper's Sec. 4: give masked keys a group of their own) without a (B, Pq, P) tensor.
 
 Backends (``backend="auto"`` picks Triton for CUDA tensors, see ``featlearn.kernels.backend``):
 
@@ -36,8 +36,9 @@ Backends (``backend="auto"`` picks Triton for CUDA tensors, see ``featlearn.kern
 
 A program's loop runs over all key tiles of its sample, which is not the grouped GEMM order: the grid is
 (query tiles, samples), the query tiles of one sample adjacent in launch order so that they read its keys
-and values from L2. FLOPs, bytes and the expected fraction of the roofline at the spec 7.1 size:
-``docs/performance.md``. Length (~500 lines): two kernels with three device helpers, a torch path with
+and values from L2. FLOPs, bytes and the expected fraction of the roofline at the MAE size
+B = 64, P = 1024, d = 1152: ``docs/performance.md``.
+Length (~500 lines): two kernels with three device helpers, a torch path with
 key and value gradients, and the argument checks.
 
 Dtypes follow the shared policy (queries, keys and values all float32 or all float64); the Triton dots
@@ -83,7 +84,7 @@ ATTN_FWD_TILES = ((64, 128, 32, 8, 2), (64, 128, 16, 8, 2), (64, 64, 32, 8, 2), 
                   (32, 128, 16, 8, 2), (64, 32, 16, 4, 2))
 ATTN_BWD_TILES = ((64, 128, 32, 8, 2), (64, 128, 16, 8, 2), (64, 64, 32, 8, 2), (64, 64, 16, 4, 2),
                   (128, 32, 32, 8, 2))
-# What each kernel builds spill-free for sm_90 at the spec sizes (`featlearn gpu compile --all-configs`,
+# What each kernel builds spill-free for sm_90 at the featlearn.gpu.cases sizes (`featlearn gpu compile --all-configs`,
 # benchmarks/results/gpu/): with TF32 dots every forward tile but 128 x 128 (72 bytes of spill), with IEEE
 # float32 two short-d tiles (the others spill 8-1600 bytes), in float64 the two 64-row tiles whose
 # d tile keeps the registers (the rest spill 8-288 bytes); the backward spills in float64 except at 64 x 64 x 32.

@@ -1,4 +1,4 @@
-"""Fused "GEMM + activation + sum over patches": the hot loop of every encoder in featlearn (spec 6.1-6.3).
+"""Fused "GEMM + activation + sum over patches": the hot loop of every patch encoder in featlearn.
 
 For patches x[B, P, d], kernels w[R, d] and an activation f, with A[b,p,r] = <w_r, x[b,p]>:
 
@@ -28,7 +28,7 @@ only when x needs a gradient (never in training), dX_chunk = dA w (cuBLAS). Chun
 ``DW_REUSE * R * d`` elements of dA (at least ``MIN_CHUNK_ELEMENTS``, at most the save budget), so dW's
 read-modify-write per chunk stays small next to the chunk's dA traffic. Cost in training with A saved:
 2 GEMMs per step (forward, dW) plus one write and one read of A and of dA; without it 3 GEMMs. The
-flash-style variant of spec 6.2 (dW accumulated from A tiles in registers) would avoid the dA traffic
+flash-style variant (dW accumulated from A tiles in registers) would avoid the dA traffic
 but fits only small d per accumulator tile, so this design is used for any d.
 
 Length (~470 lines): three activations x three optional outputs x mask x saved A in both backends, plus checks.
@@ -59,15 +59,15 @@ from featlearn.errors import ConfigError
 from featlearn.kernels import backend as kb  # kb.new_output: the allocation tests poison
 from featlearn.kernels.activations import Activation
 from featlearn.kernels.backend import (FMA_8_WARP_TILES, FMA_TILES, GEMM_TILES, INTERPRETER_GEMM_TILE, MMA_TILES,
-                                       acc_dtype, autotune, blocks, check_backend, check_float_inputs, contiguous,
-                                       cublas_precision, grouped_grid, grouped_tile, resolve_backend, resolve_precision,
-                                       tiles_by_precision)
+                                       KernelInputError, acc_dtype, autotune, blocks, check_backend, check_float_inputs,
+                                       contiguous, cublas_precision, grouped_grid, grouped_tile, refuse_shape,
+                                       resolve_backend, resolve_precision, tiles_by_precision)
 
 __all__ = ["patch_activation_sum", "patch_activation_sum_reference", "PatchSums", "PatchActivationSumFunction"]
 
-# The forward saves A = x w^T for the backward when B*P*R*itemsize fits this budget (1 GiB: the spec-000
-# medium size in float32, B*P*R = 16384*32*512, is exactly this); otherwise the backward recomputes A
-# chunk by chunk, each chunk's dA holding at most the budget too.
+# The forward saves A = x w^T for the backward when B*P*R*itemsize fits this budget (1 GiB: MRP at
+# configs/mrp/teacher_student_medium.yaml in float32, B*P*R = 16384*32*512, is exactly this); otherwise the
+# backward recomputes A chunk by chunk, each chunk's dA holding at most the budget too.
 SAVE_PREACTIVATION_BYTES = 2**30
 # backward chunks (when chunk_elements is not given) hold dA for at least DW_REUSE * R * d elements, so
 # that the read-modify-write of dW [R, d] per chunk is at most 1/DW_REUSE of the dA traffic, and at least
@@ -76,7 +76,8 @@ DW_REUSE = 16
 MIN_CHUNK_ELEMENTS = 2**24
 
 
-# The tiles each kernel may use per precision: those its sm_90 builds at the spec sizes keep spill-free
+# The tiles each kernel may use per precision: those its sm_90 builds at the sizes of
+# featlearn.gpu.cases keep spill-free
 # (`featlearn gpu compile --all-configs`, benchmarks/results/gpu/). The forward holds three [rows x R]
 # accumulators (student, teacher, squares) besides the A tile: the narrow MMA tiles with TF32 (64 x 64
 # spills 8 bytes under triton 3.6), the smallest FMA tiles in IEEE float32, and in float64 one 8-warp tile.
@@ -403,23 +404,27 @@ def _validate(x, w, activation, mask, teacher_scale, squares, backend, chunk_ele
     # a float mask weights the sums, so it follows the dtype policy; a bool mask is exact in any dtype
     float_mask = mask if isinstance(mask, torch.Tensor) and mask.dtype.is_floating_point else None
     check_float_inputs("patch_activation_sum", x=x, w=w, mask=float_mask)
+    op = "patch_activation_sum"
     if x.dim() != 3 or min(x.shape) < 1:
-        raise ConfigError("x", "a non-empty tensor of shape [B, P, d]", tuple(x.shape))
+        refuse_shape(op, "x", x, "must be a non-empty tensor of shape [B, P, d]")
     if w.dim() != 2 or w.shape[0] < 1 or w.shape[1] != x.shape[2]:
-        raise ConfigError("w", f"a tensor of shape [R, d] with R >= 1 and d = {x.shape[2]} (from x)",
-                          tuple(w.shape))
+        refuse_shape(op, "w", w, f"must be a tensor of shape [R, d] with R >= 1 and d = {x.shape[2]} (from x)")
     if w.device != x.device:
-        raise ConfigError("w", f"on the device of x ({x.device})", str(w.device))
+        raise KernelInputError(op, "w", f"is on {w.device}", f"must be on the device of x ({x.device})", str(w.device))
     if not isinstance(activation, Activation):
         raise ConfigError("activation", "a featlearn.kernels.Activation", type(activation).__name__)
     if mask is not None:
-        if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != tuple(x.shape[:2]):
-            got = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
-            raise ConfigError("mask", f"None or a tensor of shape [B, P] = {tuple(x.shape[:2])}", got)
+        want = f"must be None or a tensor of shape [B, P] = {tuple(x.shape[:2])}"
+        if not isinstance(mask, torch.Tensor):
+            raise KernelInputError(op, "mask", f"is a {type(mask).__name__}", want, type(mask).__name__)
+        if tuple(mask.shape) != tuple(x.shape[:2]):
+            refuse_shape(op, "mask", mask, want)
         if mask.device != x.device:
-            raise ConfigError("mask", f"on the device of x ({x.device})", str(mask.device))
+            raise KernelInputError(op, "mask", f"is on {mask.device}", f"must be on the device of x ({x.device})",
+                                   str(mask.device))
         if not (mask.dtype == torch.bool or mask.dtype.is_floating_point):
-            raise ConfigError("mask", "a bool or floating tensor", mask.dtype)
+            raise KernelInputError(op, "mask", f"has dtype {mask.dtype}", "must be a bool or floating tensor",
+                                   mask.dtype)
     if teacher_scale is not None:
         ok = isinstance(teacher_scale, numbers.Real) and not isinstance(teacher_scale, bool)
         if not ok or not math.isfinite(float(teacher_scale)):

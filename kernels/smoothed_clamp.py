@@ -1,5 +1,5 @@
 """Fused two-layer hidden layer ``h = sigma_s(x W^T + b)`` with the Gaussian-smoothed truncated ReLU
-(forward and backward), the activation of seed 003 chapter 2 (spec 003a section 1.2).
+(forward and backward), the activation of Shi 2024, Sec. 2.3 (Shi, Wei & Liang 2022).
 
 The truncated ReLU ``sigma(z) = min(1, max(z, 0))`` smoothed by Gaussian noise ``xi ~ N(0, s^2)``,
 ``sigma_s(z) = E_xi sigma(z + xi)``, in closed form (no sampling)::
@@ -20,7 +20,7 @@ Backends (``backend="auto"`` picks Triton for CUDA tensors), both saving x, W an
   ``[B, M]`` slope in the input dtype.
 * ``torch``: the same algebra with PyTorch ops.
 
-At the spec's sizes (B = 50,000, d = 500, M = 600: 1.5e10 multiply-adds per GEMM) the epilogue (two erf,
+At the paper's sizes (B = 50,000, d = 500, M = 600: 1.5e10 multiply-adds per GEMM) the epilogue (two erf,
 two exp per element) is ~1e-3 of the GEMM's work: the gain over PyTorch is the one pass over ``[B, M]``
 instead of five elementwise passes.
 
@@ -49,7 +49,8 @@ from featlearn.errors import ConfigError
 from featlearn.kernels import backend as kb  # kb.new_output: the allocation tests poison
 from featlearn.kernels.backend import (FMA_TILES, GEMM_TILES, INTERPRETER_GEMM_TILE, MMA_TILES, acc_dtype, autotune,
                                        blocks, check_backend, check_float_inputs, contiguous, grouped_grid,
-                                       grouped_tile, resolve_backend, resolve_precision, tiles_by_precision)
+                                       grouped_tile, refuse_shape, resolve_backend, resolve_precision,
+                                       tiles_by_precision)
 
 __all__ = ["smoothed_clamp_layer", "smoothed_clamp_reference", "gaussian_smoothed_clamp",
            "gaussian_smoothed_clamp_derivative", "SmoothedClampFunction"]
@@ -58,7 +59,8 @@ _INV_SQRT2 = 1.0 / math.sqrt(2.0)
 _INV_SQRT2PI = 1.0 / math.sqrt(2.0 * math.pi)
 
 
-# The tiles each kernel may use per precision: those its sm_90 builds at the spec sizes keep spill-free
+# The tiles each kernel may use per precision: those its sm_90 builds at the sizes of
+# featlearn.gpu.cases keep spill-free
 # (`featlearn gpu compile --all-configs`, benchmarks/results/gpu/). The forward's epilogue (two normal
 # CDFs and densities per element) leaves room for few accumulators: 64-row tiles with TF32, the two
 # smallest FMA tiles in float64.
@@ -327,13 +329,13 @@ def smoothed_clamp_layer(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | 
     check_backend(backend)
     precision = resolve_precision(input_precision, check_float_inputs("smoothed_clamp_layer", x=x, w=w, bias=bias))
     if x.dim() != 2:
-        raise ConfigError("x", "a 2-D tensor [B, d]", tuple(x.shape))
+        refuse_shape("smoothed_clamp_layer", "x", x, "must be a 2-D tensor [B, d]")
     if w.dim() != 2 or w.shape[1] != x.shape[1]:
-        raise ConfigError("w", f"a 2-D tensor [M, {x.shape[1]}]", tuple(w.shape))
+        refuse_shape("smoothed_clamp_layer", "w", w, f"must be a 2-D tensor [M, {x.shape[1]}]")
     if bias is None:
         bias = torch.zeros(w.shape[0], device=w.device, dtype=w.dtype)
     if bias.shape != (w.shape[0],):
-        raise ConfigError("bias", f"a 1-D tensor [{w.shape[0]}]", tuple(bias.shape))
+        refuse_shape("smoothed_clamp_layer", "bias", bias, f"must be a 1-D tensor [{w.shape[0]}]")
     if isinstance(smoothing, bool) or not isinstance(smoothing, (int, float)) or not 0 <= smoothing < math.inf:
         raise ConfigError("smoothing", "a finite number >= 0", smoothing)
     which = resolve_backend(backend, x, w, bias)

@@ -1,6 +1,6 @@
 """Fused soft-threshold layer ``h = ReLU(x W^T - b) - ReLU(-x W^T - b)`` (forward and backward).
 
-The symmetrized-ReLU unit of Wen & Li (2021), spec 001 section 3.1. For ``b >= 0`` it is the
+The symmetrized-ReLU unit of Wen & Li 2021, Sec. 2.2. For ``b >= 0`` it is the
 soft-threshold ``sign(u) * max(|u| - b, 0)`` with ``u = <w_i, x>``; for ``b < 0`` (learned-bias ablation)
 the literal two-ReLU formula is used, which has slope 2 on ``|u| < -b``. Derivatives (all ``b``)::
 
@@ -20,7 +20,7 @@ Dtypes follow the shared policy of ``featlearn.kernels.backend``: x, W and b all
 anything else refused up front. Both backends compute in the input dtype; the Triton GEMMs accumulate in
 it too, so float64 runs agree with the float64 reference to rounding (~1e-16 relative). Float32 products
 are TF32 by default in the Triton path (``input_precision="auto"``, ~1e-3 relative); ``"ieee"`` gives
-float32 rounding (~1e-7), which seed-001 runs want (see ``docs/performance.md``).
+float32 rounding (~1e-7), which contrastive runs want (see ``docs/performance.md``).
 
 Example:
     >>> import torch
@@ -36,16 +36,17 @@ import torch
 import triton
 import triton.language as tl
 
-from featlearn.errors import ConfigError
 from featlearn.kernels import backend as kb  # kb.new_output: the allocation tests poison
 from featlearn.kernels.backend import (FMA_TILES, GEMM_TILES, INTERPRETER_GEMM_TILE, MMA_TILES, acc_dtype, autotune,
                                        blocks, check_backend, check_float_inputs, contiguous, grouped_grid,
-                                       grouped_tile, resolve_backend, resolve_precision, tiles_by_precision)
+                                       grouped_tile, refuse_shape, resolve_backend, resolve_precision,
+                                       tiles_by_precision)
 
 __all__ = ["soft_threshold_layer", "soft_threshold_reference", "symmetric_relu", "SoftThresholdFunction"]
 
 
-# The tiles each kernel may use per precision: those its sm_90 builds at the spec sizes keep spill-free
+# The tiles each kernel may use per precision: those its sm_90 builds at the sizes of
+# featlearn.gpu.cases keep spill-free
 # (`featlearn gpu compile --all-configs`, benchmarks/results/gpu/): every MMA tile with TF32 dots on sizes
 # that are multiples of 16, fewer on others (d = 500: 24-1840 bytes of spill on the rest), the FMA tiles
 # with IEEE float32 and float64 dots (in the backward not all: 8-16 bytes of spill at d = 500 on the rest).
@@ -249,7 +250,7 @@ def soft_threshold_layer(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | 
             see ``featlearn.kernels.backend``); computed in that dtype.
         backend: ``"auto"`` (Triton on CUDA, PyTorch otherwise), ``"torch"`` or ``"triton"``.
         input_precision: the Triton GEMMs' ``tl.dot`` precision: ``"auto"`` (TF32 for float32, IEEE for
-            float64), ``"tf32"`` or ``"ieee"`` (exact float32 products; what seed-001 stage-I runs want,
+            float64), ``"tf32"`` or ``"ieee"`` (exact float32 products; what contrastive stage-I runs want,
             their signals being ~1e-2 relative). Float64 is always IEEE; the PyTorch fallback ignores it
             (see ``featlearn.kernels.backend.resolve_precision``).
 
@@ -258,13 +259,13 @@ def soft_threshold_layer(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | 
     check_backend(backend)
     precision = resolve_precision(input_precision, check_float_inputs("soft_threshold_layer", x=x, w=w, bias=bias))
     if x.dim() != 2:
-        raise ConfigError("x", "a 2-D tensor [B, d1]", tuple(x.shape))
+        refuse_shape("soft_threshold_layer", "x", x, "must be a 2-D tensor [B, d1]")
     if w.dim() != 2 or w.shape[1] != x.shape[1]:
-        raise ConfigError("w", f"a 2-D tensor [m, {x.shape[1]}]", tuple(w.shape))
+        refuse_shape("soft_threshold_layer", "w", w, f"must be a 2-D tensor [m, {x.shape[1]}]")
     if bias is None:
         bias = torch.zeros(w.shape[0], device=w.device, dtype=w.dtype)
     if bias.shape != (w.shape[0],):
-        raise ConfigError("bias", f"a 1-D tensor [{w.shape[0]}]", tuple(bias.shape))
+        refuse_shape("soft_threshold_layer", "bias", bias, f"must be a 1-D tensor [{w.shape[0]}]")
     which = resolve_backend(backend, x, w, bias)
     if which == "triton":
         x, w, bias = contiguous(x, w, bias)

@@ -34,7 +34,7 @@ from torch.profiler import record_function
 
 from featlearn.datamodules.base import SyntheticDataModule
 from featlearn.errors import ConfigError
-from featlearn.metrics.figures import plt, tensorboard_writer
+from featlearn.metrics.figures import log_results, plt, tensorboard_writer
 
 # Optimizer-state entries that are learned state rather than configuration; everything else in a param
 # group (lr, weight_decay, momentum, ...) comes from the current config when a run is resumed.
@@ -120,14 +120,12 @@ class FeatureLearningModule(L.LightningModule):
         return {}
 
     def on_train_end(self) -> None:
-        writer_loggers = [lg for lg in self.trainer.loggers if hasattr(lg, "log_hyperparams")]
         metrics = {f"hp/{k}": float(v) for k, v in self.final_metrics().items()}
         if not metrics or self.trainer.global_rank != 0:
             return
         data = self.trainer.datamodule
-        params = {**(data.hparams_initial if data is not None else {}), **self.hparams_initial}
-        for logger in writer_loggers:
-            logger.log_hyperparams(params, metrics=metrics)
+        log_results(self.trainer, {**(data.hparams_initial if data is not None else {}), **self.hparams_initial},
+                    metrics)
 
     def log_figure(self, tag: str, figure) -> None:
         """Log a matplotlib figure to TensorBoard at the current step (rank 0; no-op without TensorBoard)."""

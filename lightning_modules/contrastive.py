@@ -1,15 +1,15 @@
-"""Contrastive learning with and without RandomMask (Wen & Li 2021; spec 001 sections 3-5).
+"""Contrastive learning with and without RandomMask (Wen & Li 2021, Sec. 2.2-3, App. C-E).
 
 Network: one hidden layer of ``m`` symmetrized-ReLU (soft-threshold) units
 ``h_i(x) = ReLU(<w_i,x> - b_i) - ReLU(-<w_i,x> - b_i)`` computed by
 :func:`featlearn.kernels.soft_threshold.soft_threshold_layer` (fused Triton kernel on CUDA).
 
-Objective (spec 4.1, corrected gradient 4.2): per anchor
+Objective (Wen & Li 2021, Def. 2.2; the gradient of App. A.1 with its sign corrected): per anchor
 ``L = -<f(x_a), sg f(x_q)> + tau * logsumexp_{x in {x_q} u Negatives} <f(x_a), sg f(x)> / tau``,
 only the anchor receives gradient; SGD with ``lr = eta`` and ``weight_decay = lambda`` (penalty
 ``lambda/2 ||W||^2``, default ``lambda = d^-1.75``: the paper's range stalls stage III at small d).
 
-Bias (spec 3.3): ``bias_mode="schedule"`` (default) keeps ``b = 0`` until T1 (first step with
+Bias (Wen & Li 2021, Sec. 2.2 and App. D): ``bias_mode="schedule"`` (default) keeps ``b = 0`` until T1 (first step with
 ``min_i rho_i >= 1/2``; or a fixed ``bias_reset_step``, the same for every run), resets
 ``b_i = beta0 sqrt(2 log d / d) ||w_i||`` and then grows it by ``max(c_b eta/d, ||w_i^{t+1}||/||w_i^t|| - 1)``
 per step, capped at ``kappa_b ||w_i||``;
@@ -40,6 +40,7 @@ import torch
 from featlearn.checkpoints import class_path, read_checkpoint
 from featlearn.datamodules.sparse_coding import SparseCodingDataModule
 from featlearn.errors import ConfigError
+from featlearn.kernels.backend import Backend, Precision
 from featlearn.kernels.infonce import infonce_stopgrad
 from featlearn.kernels.soft_threshold import soft_threshold_layer
 from featlearn.lightning_modules.base import FeatureLearningModule
@@ -57,8 +58,9 @@ class ContrastiveModule(FeatureLearningModule):
 
     Args:
         width: number of neurons ``m`` (``None``: ``width_mult * d``).
-        width_mult: ``m / d`` when ``width`` is None (spec default 4).
-        lr: SGD step ``eta`` (spec default 2 at d=32, 1 above).
+        width_mult: ``m / d`` when ``width`` is None (default 4: the paper's ``m = d^1.01`` leaves few lucky
+            neurons per atom at small d).
+        lr: SGD step ``eta`` (the paper's ``1/poly(d)`` is impractical; 2 at d=32 and 1 above work).
         weight_decay: ``lambda`` (``None``: ``d^-1.75``).
         temperature: ``tau`` (``None``: ``log d``).
         init_scale: ``sigma0`` (``None``: ``1/(d sqrt(d1))``).
@@ -74,7 +76,7 @@ class ContrastiveModule(FeatureLearningModule):
             operand precision (``ieee`` default: stage-I signals are ~1e-2 relative; ``tf32``/``auto`` for speed).
         probe_ridge: relative ridge of the regression probes. probe_max_samples: cap on probe samples.
         seed: seed of the weight initialisation (independent of the data seed).
-        cr_reference: contrastive regularisation (seed 003 ch. 7, Prop F.9): a checkpoint of this module
+        cr_reference: contrastive regularisation (Shi 2024, Prop. F.9): a checkpoint of this module
             (same width and d1) whose ``w`` (and bias) start the run and stay its reference.
         cr_gamma: the trust-region radius: after every step ``||w - w*||_F <= cr_gamma``
             (:class:`~featlearn.lightning_modules.contrastive_regularization.ContrastiveRegularization`).
@@ -99,8 +101,8 @@ class ContrastiveModule(FeatureLearningModule):
         bias_reset_step: PositiveInt | None = None,
         clamp_bias_nonneg: bool = False,
         loss_chunk_size: PositiveInt | None = None,
-        backend: Literal["auto", "torch", "triton"] = "auto",
-        input_precision: Literal["auto", "tf32", "ieee"] = "ieee",
+        backend: Backend = "auto",
+        input_precision: Precision = "ieee",
         probe_ridge: NonNegativeFloat = 1e-4,
         probe_max_samples: int_at_least(2) = 8000,  # the probes standardise features over their samples
         seed: int = 0,
@@ -114,7 +116,6 @@ class ContrastiveModule(FeatureLearningModule):
                               f"model.{'cr_reference' if missing == 'cr_gamma' else 'cr_gamma'}", None)
         super().__init__()
         self.save_hyperparameters()
-        self.hp = self.hparams
         self.T1: int | None = None
         self.T2: int | None = None
         self._splits = SplitBuffer(EVAL_KEYS)
@@ -123,7 +124,7 @@ class ContrastiveModule(FeatureLearningModule):
 
     # ------------------------------------------------------------------------------------------
     def build(self, dm: SparseCodingDataModule) -> None:
-        hp = self.hp
+        hp = self.hparams
         self.d, self.d1 = dm.d, dm.d1
         self.m = hp.width if hp.width is not None else max(1, int(round(hp.width_mult * dm.d)))
         # weights, gradient and initial copy; per step the anchors', positives' and negatives' activations
@@ -172,16 +173,16 @@ class ContrastiveModule(FeatureLearningModule):
 
     def configure_optimizers(self):
         groups = [{"params": [self.w], "weight_decay": self.lam}]
-        if self.hp.bias_mode == "learned":
+        if self.hparams.bias_mode == "learned":
             groups.append({"params": [self.bias], "weight_decay": 0.0})
-        return torch.optim.SGD(groups, lr=self.hp.lr, momentum=0.0)
+        return torch.optim.SGD(groups, lr=self.hparams.lr, momentum=0.0)
 
     # ------------------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Representation ``f(x) [.., m]`` of inputs ``[.., d1]``."""
         shape = x.shape[:-1]
-        h = soft_threshold_layer(x.reshape(-1, self.d1), self.w, self.bias, backend=self.hp.backend,
-                                 input_precision=self.hp.input_precision)
+        h = soft_threshold_layer(x.reshape(-1, self.d1), self.w, self.bias, backend=self.hparams.backend,
+                                 input_precision=self.hparams.input_precision)
         return h.reshape(*shape, self.m)
 
     def contrastive_loss(self, batch: dict) -> tuple[torch.Tensor, dict]:
@@ -192,7 +193,7 @@ class ContrastiveModule(FeatureLearningModule):
             hn = self(xn)
             if "neg_pool_size" in batch:
                 hn = self._global_pool(hn, batch["index"], int(batch["neg_pool_size"]))
-        loss, p_pos = infonce_stopgrad(ha, hq, hn, self.tau, self.hp.loss_chunk_size)
+        loss, p_pos = infonce_stopgrad(ha, hq, hn, self.tau, self.hparams.loss_chunk_size)
         n_b = hn.shape[-2] + 1
         stats = {
             "p_pos": p_pos.mean(), "uniform_dev": (p_pos - 1.0 / n_b).abs().mean(),
@@ -217,7 +218,7 @@ class ContrastiveModule(FeatureLearningModule):
         loss, st = self.contrastive_loss(batch)
         if self._trainer is not None and self.theory_due():  # each self.log costs ~0.5 ms: only written steps
             # batch means over this rank's anchors: sync_dist averages them into the global batch's (equal B)
-            self.log("loss/contrastive", loss, prog_bar=True, sync_dist=True)
+            self.log("train/loss", loss, sync_dist=True)
             self.log("loss/normalized", loss / st["uniform"], prog_bar=True, sync_dist=True)
             self.log("loss/objective", loss.detach() + 0.5 * self.lam * (self.w.detach() ** 2).sum(), sync_dist=True)
             self.log_dict({"logits/p_pos_mean": st["p_pos"], "logits/uniform_dev": st["uniform_dev"],
@@ -229,7 +230,7 @@ class ContrastiveModule(FeatureLearningModule):
     # ------------------------------------------------------------------------------------------
     def finish_step(self, step: int) -> None:
         """Stage detection and bias update: part of each optimisation step."""
-        hp = self.hp
+        hp = self.hparams
         w = self.w.detach()
         norm = w.norm(dim=1)
         rho = ((w @ self.M) ** 2).sum(1) / (norm ** 2).clamp_min(1e-30)
@@ -265,7 +266,7 @@ class ContrastiveModule(FeatureLearningModule):
         self.rho_peak.fill_(st.get("rho_peak", 0.0))
 
     def _log_histograms(self) -> None:
-        """TensorBoard histograms of rho_i, |alpha_ij| / ||w_i|| and |N_i| (spec 5.5)."""
+        """TensorBoard histograms of rho_i, |alpha_ij| / ||w_i|| and |N_i|."""
         writer = tensorboard_writer(self._trainer)
         if writer is None:
             return
@@ -276,7 +277,7 @@ class ContrastiveModule(FeatureLearningModule):
             writer.add_histogram(tag, values.cpu(), self.global_step)
 
     def theory_metrics(self) -> dict[str, float]:
-        """Spec 5.5 weight and feature quantities, the stages reached and the bias, moved to the host at once."""
+        """The weight and feature quantities, the stages reached and the bias, moved to the host at once."""
         scalars = feature_scalars(feature_metrics(self.w.detach(), self.bias.detach(), self.M, self.tau))
         scalars["bias/mean"] = self.bias.detach().mean()
         values = torch.stack([v.float() for v in scalars.values()]).tolist()
@@ -304,7 +305,7 @@ class ContrastiveModule(FeatureLearningModule):
 
     def evaluate(self, train: dict, test: dict) -> dict[str, float]:
         """Probes fitted on ``train`` and scored on ``test`` (dicts of a split), plus geometry metrics."""
-        return downstream_metrics(self, train, test, self.hp.probe_ridge, self.hp.probe_max_samples)
+        return downstream_metrics(self, train, test, self.hparams.probe_ridge, self.hparams.probe_max_samples)
 
     def summary(self) -> dict[str, float]:
         """Final metrics for tables, after ``trainer.test``: feature metrics, stages, probes (fit on val, scored

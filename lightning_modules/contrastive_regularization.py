@@ -1,4 +1,4 @@
-"""Contrastive regularisation (seed 003, chapter 7, Eq. 7.9 and Prop F.9): a piece any contrastive module uses.
+"""Contrastive regularisation (Shi 2024, Eq. 7.9 and Prop F.9): a piece any contrastive module uses.
 
 Two parts, usable together or apart:
 

@@ -1,18 +1,19 @@
-"""Mask-reconstruction pretraining (seed 000): teacher-student MRP and the tied-weight MAE variant.
+"""Mask-reconstruction pretraining (Pan et al. 2023): teacher-student MRP and the tied-weight MAE variant.
 
-Teacher-student (spec 2.3, 3.1): the student sees the masked input ``eps X`` (patch kept with
-probability ``theta``), decodes ``h_r / theta`` and regresses the teacher's pooled features
+Teacher-student (Pan et al. 2023, Sec. 3.2, ``tau`` of Assumption C.2): the student sees the masked input
+``eps X`` (patch kept with probability ``theta``), decodes ``h_r / theta`` and regresses the teacher's pooled features
 ``h^_r(X)`` computed with ``w^_r = tau w_r`` (stop-gradient copy, not an EMA),
 ``tau = 1 + (1 - theta) / (C_p theta) + c_tau / (t^(1/q) + 1)``. ``loss="expected"`` uses the closed
 form over masks ``1/2 sum_r (H^_r - H_r)^2 + 1/2 (1/theta - 1) sum_{r,p} f(<w_r, x_p>)^2``;
 ``loss="mc"`` trains on one keep-mask per sample and step, drawn by the DataModule (``batch["mask"]``).
 
-Stabilisation (spec 8, F1/F2): with ``tau > 1`` the literal dynamics are not the gradient of a bounded
-function and blow up once a kernel is active on two co-occurring features. ``norm_cap`` (default 1)
+Stabilisation (our finding, not the paper's): with ``tau > 1`` the literal dynamics are not the gradient of
+a bounded function and blow up once a kernel is active on two co-occurring features. ``norm_cap`` (default 1)
 projects every kernel back onto ``||w_r|| <= norm_cap`` as part of each step (projected GD, a labelled
 deviation from the paper); ``norm_cap: null`` runs the literal dynamics (they diverge; the
 DivergenceGuard stops them). ``stop_after_capture`` ends pretraining that many steps after every
-feature is captured (spec A11).
+feature is captured: the theorems hold at a time horizon the paper leaves open, and the kernels keep
+growing after it.
 
 Example:
     >>> from featlearn.datamodules.multiview import MultiViewDataModule
@@ -60,18 +61,18 @@ class _MaskedPretraining(MultiViewEncoder):
                  mask_seed: int = 0, lr: PositiveFloat = 5.0, **encoder):
         check_args("model", _MaskedPretraining.__init__, locals())
         super().__init__(lr=lr, **encoder)
-        self.theta, self.loss_kind, self.norm_cap = theta, loss, norm_cap
+        self.theta, self.norm_cap = theta, norm_cap
         self.stop_after_capture, self.mask_seed = stop_after_capture, mask_seed
 
     def build(self, dm) -> None:
         super().build(dm)
-        if self.loss_kind == "mc":
+        if self.hparams.loss == "mc":
             dm.use_masks(self.theta, self.mask_seed)
 
     def training_step(self, batch, batch_idx):
         loss = self.loss(batch)
         if self.theory_due():  # each self.log costs ~0.5 ms; Lightning writes only these steps anyway
-            self.log(f"pretrain/loss_{self.loss_kind}", loss, prog_bar=True, sync_dist=True)  # the global batch's
+            self.log("train/loss", loss, sync_dist=True)  # the global batch's
         return loss
 
     def finish_step(self, step: int) -> None:
@@ -95,7 +96,8 @@ class TeacherStudentMRP(_MaskedPretraining):
     """Teacher-student mask-reconstruction pretraining (the paper's main framework).
 
     Args:
-        c_tau: constant of the decaying part of ``tau`` (0: constant ``tau``, spec A5).
+        c_tau: constant of the decaying part of ``tau``, which the paper leaves open (0, the default: constant
+            ``tau``; ``c_tau > 0`` only hastens the blow-up of the literal dynamics).
         q: smoothed-ReLU power, >= 3 (Assumption C.2).
         norm_cap: projected-GD radius per kernel (``null``: literal, unstable dynamics).
         ``**pretraining``: theta, loss, stop_after_capture, mask_seed, lr (see ``_MaskedPretraining``) and
@@ -123,7 +125,7 @@ class TeacherStudentMRP(_MaskedPretraining):
 
     def loss(self, batch) -> torch.Tensor:
         x, tau = batch["x"], self.tau()
-        if self.loss_kind == "expected":
+        if self.hparams.loss == "expected":
             sums = self.encode(x, teacher_scale=tau, squares=True)
             return teacher_student_expected_loss(sums.student, sums.teacher, sums.squares, self.theta)
         sums = self.encode(x, teacher_scale=tau, mask=batch["mask"])
@@ -143,7 +145,7 @@ def mae_masked_loss(x: torch.Tensor, w: torch.Tensor, act, theta: float, mask: t
 
 
 class MaskedAutoencoderMRP(_MaskedPretraining):
-    """Tied-weight MAE variant (spec 2.4, 3.2): reconstruct every patch's pixels.
+    """Tied-weight MAE variant (Pan et al. 2023, App. H, Fig. 6): reconstruct every patch's pixels.
 
     Kernels compete through the shared residual, so no norm cap is needed by default.
     Args as :class:`TeacherStudentMRP` (no teacher), with ``q >= 4`` (Assumption H.1).
@@ -155,6 +157,6 @@ class MaskedAutoencoderMRP(_MaskedPretraining):
 
     def loss(self, batch) -> torch.Tensor:
         x = batch["x"]
-        if self.loss_kind == "expected":
+        if self.hparams.loss == "expected":
             return mae_expected_loss(x, self.weight, self.activation, self.theta)
         return mae_masked_loss(x, self.weight, self.activation, self.theta, batch["mask"])

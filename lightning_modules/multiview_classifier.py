@@ -1,4 +1,5 @@
-"""Downstream classification of multi-view data: MRP fine-tuning and the supervised baseline (spec 2.5, 3.4, 3.5).
+"""Downstream classification of multi-view data: MRP fine-tuning and the supervised baseline (Pan et al. 2023,
+Sec. 3.2 and App. G; Lemma 1).
 
 One module, two protocols:
 
@@ -6,7 +7,7 @@ One module, two protocols:
   a new linear head ``U`` starts at 0, both trained by gradient descent (``lr`` for the encoder
   ``eta_1``, ``lr_head`` for the head ``eta_2``);
 * supervised learning from scratch (Lemma 1): ``pretrained: null``, encoder ``W(0) ~ N(0, sigma0^2)``,
-  head ``fixed`` (kernel block ``i`` of ``m`` kernels sums into logit ``i``, A-Z&L) or ``linear``.
+  head ``fixed`` (kernel block ``i`` of ``m`` kernels sums into logit ``i``, Allen-Zhu & Li 2023) or ``linear``.
 
 Validation/test accuracy is logged separately on multi-view and single-view samples
 (``<stage>/acc/{all,multi,single}``) with torchmetrics, with the mean classification margin
@@ -54,7 +55,7 @@ class MultiViewClassifier(MultiViewEncoder):
     Args:
         pretrained: checkpoint of a pretraining run whose kernels initialise the encoder (fine-tuning),
             or ``null`` to train from scratch (supervised baseline).
-        head: ``linear`` (trainable ``U``, starts at 0) or ``fixed`` (per-class blocks, A-Z&L).
+        head: ``linear`` (trainable ``U``, starts at 0) or ``fixed`` (per-class blocks, Allen-Zhu & Li 2023).
         lr_head: head step size ``eta_2`` (linear head only). lr: encoder step size ``eta_1``.
         freeze_encoder: train the head only (linear probe).
         ``**encoder``: m, q, rho, sigma0, capture_threshold, backend (see :class:`MultiViewEncoder`).
@@ -79,7 +80,7 @@ class MultiViewClassifier(MultiViewEncoder):
                                                       f"MaskedAutoencoderMRP; this one holds {', '.join(state)})",
                                   pretrained)
             self._pretrained_state = {k: state[k] for k in ("weight", "initial_weight")}
-        self.pretrained, self.head_kind, self.lr_head = pretrained, head, lr_head
+        self.pretrained, self.lr_head = pretrained, lr_head
         self.freeze_encoder = freeze_encoder
         self.metrics = torch.nn.ModuleDict()
 
@@ -92,7 +93,7 @@ class MultiViewClassifier(MultiViewEncoder):
                                   f"{self.pretrained} with {tuple(state['weight'].shape)}")
             self.weight.data.copy_(state["weight"])
             self.initial_weight.copy_(state["initial_weight"])
-        if self.head_kind == "linear":
+        if self.hparams.head == "linear":
             self.head = torch.nn.Parameter(torch.zeros(dm.k, dm.k * self.m))
         self.weight.requires_grad_(not self.freeze_encoder)
         for stage in ("val", "test"):
@@ -101,7 +102,7 @@ class MultiViewClassifier(MultiViewEncoder):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.encode(x).student
-        if self.head_kind == "linear":
+        if self.hparams.head == "linear":
             return h @ self.head.T
         return h.view(h.shape[0], self.k, self.m).sum(-1)
 
@@ -109,7 +110,7 @@ class MultiViewClassifier(MultiViewEncoder):
         logits = self(batch["x"])
         loss = F.cross_entropy(logits, batch["y"])
         if self.theory_due():  # each self.log costs ~0.5 ms; Lightning writes only these steps anyway
-            self.log("train/loss", loss, prog_bar=True, sync_dist=True)  # rank means -> the global batch's
+            self.log("train/loss", loss, sync_dist=True)  # rank means -> the global batch's
             self.log("train/acc", (logits.argmax(1) == batch["y"]).float().mean(), sync_dist=True)
         return loss
 
@@ -141,6 +142,6 @@ class MultiViewClassifier(MultiViewEncoder):
 
     def configure_optimizers(self):
         groups = [{"params": [self.weight], "lr": self.lr}] if not self.freeze_encoder else []
-        if self.head_kind == "linear":
+        if self.hparams.head == "linear":
             groups.append({"params": [self.head], "lr": self.lr_head})
         return torch.optim.SGD(groups, lr=self.lr)

@@ -1,4 +1,4 @@
-"""The two-layer conv encoder of seed 000 and the feature-capture metrics of its theory (spec 2.2, 4.1).
+"""The two-layer conv encoder of Pan et al. 2023 (Sec. 3.2) and the feature-capture metrics of its Thm 1.
 
 ``h_r(X) = sum_p f(<w_r, x_p>)`` with ``km`` kernels and the smoothed ReLU ``f`` (power ``q``,
 threshold ``rho``), computed by :func:`featlearn.kernels.patch_activation_sum`. Every module of the
@@ -21,12 +21,11 @@ import torch
 
 from featlearn.datamodules.multiview import MultiViewDataModule
 from featlearn.kernels import Activation, patch_activation_sum
+from featlearn.kernels.backend import Backend
 from featlearn.lightning_modules.base import FeatureLearningModule
 from featlearn.metrics.figures import tensorboard_writer
 from featlearn.theory.mrp import capture_stats, lottery_factor
 from featlearn.validation import PositiveFloat, PositiveInt, check_args, check_memory, int_at_least
-
-Backend = Literal["auto", "torch", "triton"]
 
 
 class MultiViewEncoder(FeatureLearningModule):

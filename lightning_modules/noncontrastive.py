@@ -1,4 +1,4 @@
-"""Non-contrastive learning with an identity-initialised prediction head (Wen & Li 2022; spec 004).
+"""Non-contrastive learning with an identity-initialised prediction head (Wen & Li 2022).
 
 Online branch: cubic patch encoder ``f_j(X) = sum_p <w_j, X_p>^3`` on view 1 (through
 ``featlearn.kernels.patch_activation_sum`` with ``Activation("pow", q=3)``), prediction head
@@ -9,7 +9,8 @@ batch-normed. Loss: ``L = 1/(mN) sum_i ||BN(F)_i - BN(G)_i||^2 = 2 - (2/m) sum_j
 ``featlearn.kernels.bn_cosine_loss``. Optimiser: plain SGD (Algorithm 1), encoder lr ``lr``, head lr
 ``head_lr``; W and E are updated from the same point; the diagonal of E is re-asserted as part of each step.
 
-``gradient="population"`` replaces the sampled batch by the exact N = infinity loss of spec 5.6, so
+``gradient="population"`` replaces the sampled batch by the exact N = infinity loss (Wen & Li 2022, App. A.1,
+in closed form for Gaussian noise: :func:`featlearn.theory.noncontrastive.population_loss`), so
 autograd gives the population gradient on W: the oracle of the proofs, and the mode in which the demo-A
 dynamics (~2e5 steps) run on a CPU. That closed form, the phase tracker and the batched simulator of the
 headline table live in :mod:`featlearn.theory.noncontrastive`.
@@ -32,6 +33,7 @@ import torch
 from featlearn.datamodules.two_feature_patches import TwoFeaturePatchDataModule
 from featlearn.errors import ConfigError
 from featlearn.kernels.activations import Activation
+from featlearn.kernels.backend import Backend
 from featlearn.kernels.bn_cosine_loss import bn_column_stats, bn_cosine_loss
 from featlearn.kernels.patch_activation_sum import patch_activation_sum
 from featlearn.lightning_modules.base import FeatureLearningModule
@@ -58,8 +60,8 @@ def encode(x: torch.Tensor, w: torch.Tensor, mask: torch.Tensor | None = None,
 
 def noncontrastive_loss(f_online: torch.Tensor, g_target: torch.Tensor, head: torch.Tensor,
                         out_norm: str = "bn", eps: float = 0.0, backend: str = "auto") -> torch.Tensor:
-    """``L = mean ||norm(f E^T) - norm(g)||^2`` (spec 4.1); ``g_target`` is used as given (detach it
-    for stop-grad).
+    """``L = mean ||norm(f E^T) - norm(g)||^2`` (Wen & Li 2022, eq. 3.3 and A.1); ``g_target`` is used
+    as given (detach it for stop-grad).
 
     Example:
         >>> f = torch.randn(32, 2, dtype=torch.float64)
@@ -70,7 +72,7 @@ def noncontrastive_loss(f_online: torch.Tensor, g_target: torch.Tensor, head: to
 
 
 class NonContrastiveModule(FeatureLearningModule):
-    """BYOL/SimSiam-style non-contrastive learner of spec 004 (module docstring).
+    """BYOL/SimSiam-style non-contrastive learner of Wen & Li 2022 (module docstring).
 
     Theory metrics are logged every ``trainer.log_every_n_steps`` steps and kept in ``history``.
 
@@ -84,7 +86,8 @@ class NonContrastiveModule(FeatureLearningModule):
         symmetrize: average the loss with the views swapped (off = paper).
         gradient: ``"sample"`` (SGD on the sampled batch) or ``"population"`` (exact N = inf gradient).
         init_seed: seed of W^(0) ~ N(0, init_std^2) (None: the DataModule's seed).  init_std: None = 1/sqrt(d).
-        lucky_first: permute the neurons at init so neuron 0 has the largest |<w_j, v1>| (spec 3.5).
+        lucky_first: permute the neurons at init so neuron 0 has the largest |<w_j, v1>| (the lucky
+            neuron of Wen & Li 2022, Lemma B.1).
         backend: kernel backend for encoder and loss.
     """
 
@@ -108,7 +111,7 @@ class NonContrastiveModule(FeatureLearningModule):
         init_seed: int | None = None,
         init_std: PositiveFloat | None = None,
         lucky_first: bool = True,
-        backend: Literal["auto", "torch", "triton"] = "auto",
+        backend: Backend = "auto",
     ):
         check_args("model", NonContrastiveModule.__init__, locals())
         super().__init__()
@@ -118,7 +121,7 @@ class NonContrastiveModule(FeatureLearningModule):
         if not stop_grad and target == "ema":
             raise ConfigError("model.stop_grad", "True with an EMA target", stop_grad)
         self.save_hyperparameters()
-        self.width, self.head_kind, self.target_kind, self.ema_decay = width, head, target, float(ema_decay)
+        self.width, self.ema_decay = width, float(ema_decay)
         self.lr = float(lr)
         self.head_lr = float(lr if head_lr is None else head_lr)
         self.out_norm, self.eps, self.stop_grad, self.symmetrize = out_norm, float(eps), stop_grad, symmetrize
@@ -147,31 +150,31 @@ class NonContrastiveModule(FeatureLearningModule):
             w = w[torch.argsort(lucky, descending=True)]
         self.w = torch.nn.Parameter(w.to(dtype))
         eye = torch.eye(m, dtype=dtype)
-        if self.head_kind == "none":
+        if self.hparams.head == "none":
             self.register_buffer("head", eye)
         else:
             self.head = torch.nn.Parameter(eye.clone())
-            if self.head_kind == "offdiag":
+            if self.hparams.head == "offdiag":
                 self.register_buffer("head_grad_mask", 1.0 - eye)
                 self.head.register_hook(lambda g: g * self.head_grad_mask)
         # max |E| over every step, as the simulator's E_peak: E21 can rise and fall between two logs
         self.register_buffer("head_peak", eye.clone())
-        if self.target_kind == "ema":
+        if self.hparams.target == "ema":
             self.register_buffer("w_target", w.to(dtype).clone())
         self.lead = 0 if self.lucky_first else int(torch.argmax(lucky))
         self.tracker = PhaseTracker(self.lead, d, self.lr / max(self.head_lr, 1e-300)) if m == 2 else None
 
     def target_weights(self) -> torch.Tensor:
-        return self.w_target if self.target_kind == "ema" else self.w
+        return self.w_target if self.hparams.target == "ema" else self.w
 
     # --- loss -----------------------------------------------------------------------------------
     def batch_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The sampled loss of spec 4.1 on one batch (online: view 1, target: view 2)."""
+        """The sampled loss (Wen & Li 2022, eq. 3.3) on one batch (online: view 1, target: view 2)."""
         x = batch["x"]
         m1, m2 = self.datamodule_class.views(batch)
 
         def one(mo, mt):
-            if self.stop_grad and self.target_kind == "shared_sg":
+            if self.stop_grad and self.hparams.target == "shared_sg":
                 # One pass over x for both views: the op's no-grad "teacher" is the sum over every patch,
                 # so the target view's sum is the total less the online view's.
                 sums = patch_activation_sum(x, self.w, CUBIC, mask=mo, teacher_scale=1.0, backend=self.backend,
@@ -191,7 +194,7 @@ class NonContrastiveModule(FeatureLearningModule):
         return loss
 
     def population_loss(self) -> torch.Tensor:
-        w_t = self.w_target if self.target_kind == "ema" else None
+        w_t = self.w_target if self.hparams.target == "ema" else None
         return population_loss(self.w, self.head, self.features, self.alphas, self.probs, self.num_patches,
                                self.num_feature_patches, self.noise_std, w_target=w_t, stop_grad=self.stop_grad)
 
@@ -230,8 +233,8 @@ class NonContrastiveModule(FeatureLearningModule):
         out["head/asym_ratio"] = out["head/asym_fro"] / max(out["head/offdiag_fro"], 1e-300)
         out["repr/abs_corr_offdiag_mean"] = float(h["corr"]) if m > 1 else 0.0
         if loss is not None:
-            out["loss/train"] = float(h["loss"])
-            out["loss/gap_to_opt"] = out["loss/train"] - self.opt_loss
+            out["train/loss"] = float(h["loss"])
+            out["loss/gap_to_opt"] = out["train/loss"] - self.opt_loss
         if rho is not None:
             out.update({f"loss/rho_{j}": float(v) for j, v in enumerate(h["rho"])})
         if self.tracker is not None:
@@ -288,15 +291,15 @@ class NonContrastiveModule(FeatureLearningModule):
 
     def configure_optimizers(self):
         groups = [{"params": [self.w], "lr": self.lr}]
-        if self.head_kind != "none":
+        if self.hparams.head != "none":
             groups.append({"params": [self.head], "lr": self.head_lr})
         return torch.optim.SGD(groups, lr=self.lr, momentum=0.0, weight_decay=0.0)
 
     def finish_step(self, step: int) -> None:
         """Algorithm 1 line 6 (diag(E) = 1), the EMA target update and the running peak of |E|: part of
         every SGD step."""
-        if self.head_kind == "offdiag":
+        if self.hparams.head == "offdiag":
             self.head.diagonal().fill_(1.0)
-        if self.target_kind == "ema":
+        if self.hparams.target == "ema":
             self.w_target.mul_(self.ema_decay).add_(self.w.detach(), alpha=1 - self.ema_decay)
         torch.maximum(self.head_peak, self.head.detach().abs(), out=self.head_peak)

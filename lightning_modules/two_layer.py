@@ -1,5 +1,5 @@
-"""Two-layer network with the truncated ReLU learning the F_Xi data (Shi, Wei & Liang 2022; spec 003a
-sections 1.2-1.4), and its fixed-feature baselines as modes of the same module.
+"""Two-layer network with the truncated ReLU learning the F_Xi data (Shi 2024, Ch. 2, Sec. 2.3;
+Shi, Wei & Liang 2022), and its fixed-feature baselines as modes of the same module.
 
 ``g(x) = sum_{i <= 2m} a_i sigma(<w_i, x> + b_i)``, ``sigma(z) = min(1, max(z, 0))``; in steps 1-2 the
 activation is smoothed by Gaussian noise of std ``sigma_xi`` in closed form (the fused op
@@ -16,18 +16,18 @@ Theorem A.20 (:func:`featlearn.theory.two_layer.theory_schedule`): step 1 full b
 step 2 full batch, ``a, w <- -grad L``; steps 3..T minibatches, no smoothing. The data serves the
 full-batch steps (:meth:`StructuredParityDataModule.use_full_batch_steps`). ``schedule: plain`` skips the
 feature-learning steps (every step a stage-3 step): the "typical practice" training of the
-mixture-of-Gaussians runs (A.7.3), whose labelling has gamma = 0 (give ``sigma_a`` then).
+mixture-of-Gaussians runs (Shi 2024, App. A.7.3), whose labelling has gamma = 0 (give ``sigma_a`` then).
 
 ``mode`` picks what is trained, every mode for the same T steps on the same batches, with the stage-3
 step size ``lr3`` (tuned on the same grid for every mode by the experiment):
 
 * ``network``: everything, on the schedule above;
-* ``ntk``: the network linearised at its initialisation (spec 1.4),
+* ``ntk``: the network linearised at its initialisation (Shi 2024, App. A.7.1),
   ``f(x) = sum_i da_i sigma(z_i) + sum_i a_i^(0) sigma'(z_i) (<dw_i, x> + db_i)`` with
   ``z_i = <w_i^(0), x> + b_i^(0)``: two GEMMs per batch, never the kernel matrix;
 * ``rf``: the second layer only, first layer frozen at init (random features);
 * ``one_step`` / ``two_step``: steps 1 (and 2) of the schedule, then the first layer frozen and "the best
-  classifier" on the hidden layer (A.7.1; ``readout: best``): at the next step, a full-batch one, the
+  classifier" on the hidden layer (App. A.7.1; ``readout: best``): at the next step, a full-batch one, the
   second layer is set to :func:`~featlearn.theory.two_layer.best_linear_classifier` of the whole training
   split, and the remaining steps change nothing. ``readout: schedule`` trains it with the stage-3 steps
   instead, which at the theory's step size stops at the threshold rule (README, chapter 2).
@@ -61,6 +61,7 @@ from torchmetrics import MeanMetric
 
 from featlearn.datamodules.structured_parity import StructuredParityDataModule
 from featlearn.errors import ConfigError
+from featlearn.kernels.backend import Backend, Precision
 from featlearn.kernels.smoothed_clamp import (gaussian_smoothed_clamp, gaussian_smoothed_clamp_derivative,
                                               smoothed_clamp_layer)
 from featlearn.lightning_modules.base import FeatureLearningModule
@@ -110,7 +111,7 @@ class TwoLayerNetwork(FeatureLearningModule):
             and lambda^(3..T) against the theory's formulas (the paper does not print its values).
         steps: T, the schedule's total number of steps (None: ``trainer.max_steps``).
         sigma_w, sigma_b, sigma_a: init stds (None: 1/k, 1/k^2, sigma~^2/(gamma k^2)).
-        class_weighted: weight the hinge by 1/(2 Pr[y = v]) in steps 1-2 (the general setting, A.8).
+        class_weighted: weight the hinge by 1/(2 Pr[y = v]) in steps 1-2 (the general setting, App. A.8).
         readout: ``best`` (the probes' second layer solved exactly, default) or ``schedule`` (stage-3 steps).
         readout_ridge: the ridge of the exact readout (a tiny one: the near-max-margin separator).
         init_seed: seed of the initialisation (None: the data seed).
@@ -140,8 +141,8 @@ class TwoLayerNetwork(FeatureLearningModule):
         readout: Literal["best", "schedule"] = "best",
         readout_ridge: PositiveFloat = 1e-8,
         init_seed: int | None = None,
-        backend: Literal["auto", "torch", "triton"] = "auto",
-        input_precision: Literal["auto", "tf32", "ieee"] = "ieee",
+        backend: Backend = "auto",
+        input_precision: Precision = "ieee",
     ):
         check_args("model", TwoLayerNetwork.__init__, locals())
         if schedule == "plain" and mode in ("one_step", "two_step"):
@@ -149,13 +150,13 @@ class TwoLayerNetwork(FeatureLearningModule):
                                                 f"features are those of steps 1-2)", schedule)
         super().__init__()
         self.save_hyperparameters()
-        self.width, self.mode, self.schedule_kind = width, mode, schedule
+        self.width, self.mode = width, mode
         self.mults = {"lr1_mult": float(lr1_mult), "smoothing_mult": float(smoothing_mult),
                       "lr3_mult": float(lr3_mult), "reg3_mult": float(reg3_mult)}
         self.steps, self.class_weighted, self.init_seed = steps, class_weighted, init_seed
         self.readout, self.readout_ridge = readout, float(readout_ridge)
         self.init_std = (sigma_w, sigma_b, sigma_a)
-        self.backend, self.precision = backend, input_precision
+        self.backend = backend
         self.snapshots: dict[str, torch.Tensor] = {}
         # torchmetrics reduces sums and counts over ranks: the accuracy of the whole split under DDP
         self.split_accuracy = torch.nn.ModuleDict({"val": MeanMetric(), "test": MeanMetric()})
@@ -174,7 +175,7 @@ class TwoLayerNetwork(FeatureLearningModule):
         self.p_min = dm.constants["p_min"]
         self.class_weights = (1 / (2 * dm.constants["prob_pos"]), 1 / (2 * (1 - dm.constants["prob_pos"])))
         sw, sb, sa = self.init_std
-        if self.gamma <= 0 and self.schedule_kind != "plain":
+        if self.gamma <= 0 and self.hparams.schedule != "plain":
             raise ConfigError("data.labeling", "a labelling with label correlation gamma > 0 on A (the init scale "
                                                "sigma_a and eta^(1) divide by it; schedule: plain has no eta^(1))",
                               dm.labeling)
@@ -209,7 +210,7 @@ class TwoLayerNetwork(FeatureLearningModule):
         # every mode takes the same batches: steps 1-2 full batch (the schedule's), then minibatches; an
         # exact readout reads the whole training split at its step
         readout = self.readout_step()
-        dm.use_full_batch_steps(0 if self.schedule_kind == "plain" else max(2, readout or 0))
+        dm.use_full_batch_steps(0 if self.hparams.schedule == "plain" else max(2, readout or 0))
 
     def first_layer(self) -> torch.Tensor:
         """The first-layer weights ``[2m, d]`` (for ``ntk``, ``w^(0) + dw``)."""
@@ -239,13 +240,13 @@ class TwoLayerNetwork(FeatureLearningModule):
 
     def theory_values(self) -> dict[str, float]:
         return theory_schedule(self.k, self.width, self.gamma, self.sigma_tilde, self.total_steps(),
-                               self.schedule_kind, self.p_min, **self.mults)
+                               self.hparams.schedule, self.p_min, **self.mults)
 
     def schedule_at(self, step: int) -> dict:
         """Step ``step`` (1 for the first): its stage, smoothing, and per group (a, w, b) ``(lr, decay)``."""
         th = self.theory_values()
         frozen = _FROZEN_AFTER.get(self.mode)
-        stage = 3 if self.mode in ("ntk", "rf") or self.schedule_kind == "plain" else min(step, 3)
+        stage = 3 if self.mode in ("ntk", "rf") or self.hparams.schedule == "plain" else min(step, 3)
         if frozen is not None and step > frozen:
             stage = 3
         decay3 = 1 - 2 * th["lr3"] * th["reg3"]
@@ -267,7 +268,7 @@ class TwoLayerNetwork(FeatureLearningModule):
     def hidden(self, x: torch.Tensor, smoothing: float = 0.0) -> torch.Tensor:
         """``sigma_s(x W^T + b)`` ``[B, 2m]`` through the fused op (not for ``ntk``)."""
         return smoothed_clamp_layer(x, self.w, self.b, smoothing, backend=self.backend,
-                                    input_precision=self.precision)
+                                    input_precision=self.hparams.input_precision)
 
     def forward(self, x: torch.Tensor, smoothing: float = 0.0) -> torch.Tensor:
         if self.mode == "ntk":
@@ -277,7 +278,7 @@ class TwoLayerNetwork(FeatureLearningModule):
         return h[:, :m] @ self.a[:m] + h[:, m:] @ self.a[m:]
 
     def linearised(self, x: torch.Tensor, smoothing: float = 0.0) -> torch.Tensor:
-        """``f(x) = sigma(z0) da + (sigma'(z0) * (x dW^T + db)) a0``, ``z0 = x W0^T + b0`` (spec 1.4)."""
+        """``f(x) = sigma(z0) da + (sigma'(z0) * (x dW^T + db)) a0``, ``z0 = x W0^T + b0`` (the NTK baseline)."""
         with torch.no_grad():
             z0 = torch.addmm(self.b0, x, self.w0.T)
             act0 = gaussian_smoothed_clamp(z0, smoothing)
@@ -315,8 +316,8 @@ class TwoLayerNetwork(FeatureLearningModule):
 
     def snapshot_steps(self) -> tuple[int, int]:
         """The steps after init whose neuron directions the MDS picture shows: 1 and 2 (feature learning),
-        or for the plain schedule 5/8 of the way and the end (the paper's epochs 50 and 80 of 80, A.12)."""
-        if self.schedule_kind == "plain":
+        or for the plain schedule 5/8 of the way and the end (the paper's epochs 50 and 80 of 80, Fig. A.12)."""
+        if self.hparams.schedule == "plain":
             T = self.total_steps()
             return max(1, min(T - 1, round(5 * T / 8))), T
         return 1, 2
@@ -425,7 +426,7 @@ class TwoLayerNetwork(FeatureLearningModule):
 
     def finish_step(self, step: int) -> None:
         """Record CosSim after steps 1 and 2 (the final one is :meth:`final_metrics`'), and the MDS snapshots."""
-        if step in (1, 2) and self.mode != "ntk" and self.schedule_kind != "plain":
+        if step in (1, 2) and self.mode != "ntk" and self.hparams.schedule != "plain":
             self.cos_stages[step] = self.cos()
         snaps = self.snapshot_steps()
         if step in snaps and (self.mode == "network" or _FROZEN_AFTER.get(self.mode, 0) >= step):

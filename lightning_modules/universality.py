@@ -1,5 +1,5 @@
-"""Linear contrastive representation of the universality / label-efficiency trade-off (seed 003, chapter 7;
-spec 003b section 2.2).
+"""Linear contrastive representation of the universality / label-efficiency trade-off (Shi 2024, Ch. 7,
+Sec. 7.2.2; Shi et al. 2023).
 
 ``phi(x) = W x`` with ``W [k, d]`` in ``{||W||_2 <= 1, ||W||_F <= sqrt(r)}``, trained by projected SGD (or Adam):
 after each optimiser step ``W`` is projected exactly onto that set
@@ -18,7 +18,7 @@ Modes (``mode``): ``universal`` pretrains on every task, ``specific`` on the dat
 ``cr`` is contrastive regularisation (Prop F.9): start from a universal representation ``W*`` (``reference``:
 a universal run's checkpoint, or ``None`` for the closed-form optimum), train on the target task, and keep
 ``||W - W*||_F <= gamma`` and ``||W||_2 <= 1`` with **no Frobenius cap** (with the cap the target cannot gain
-without the other tasks losing; spec 2.8). The trust region's reference is kept by
+without the other tasks losing; the proof of Prop F.9 has no such cap). The trust region's reference is kept by
 :class:`~featlearn.lightning_modules.contrastive_regularization.ContrastiveRegularization`; each step projects
 exactly onto the intersection of the spectral ball and the trust region
 (:func:`~featlearn.theory.universality.project_trust_region`, Dykstra's algorithm: clipping and then scaling
@@ -80,7 +80,7 @@ def contrastive_loss(f: torch.Tensor, f_pos: torch.Tensor, loss: str = "theory",
 
 
 class LinearContrastive(FeatureLearningModule):
-    """The linear representation ``W [k, d]`` of spec 003b section 2.2; see the module docstring.
+    """The linear representation ``W [k, d]`` of Shi 2024, Sec. 7.2.2; see the module docstring.
 
     Args:
         mode: ``"universal"`` (every task), ``"specific"`` (the data's ``target_task``) or ``"cr"``
@@ -92,7 +92,7 @@ class LinearContrastive(FeatureLearningModule):
         gamma: the trust-region radius of ``cr`` mode.
         reference: ``cr`` mode: a checkpoint of a universal ``LinearContrastive`` run whose ``W`` is ``W*``
             (``None``: the closed-form universal optimum ``[diag(sqrt c), 0] M^T``).
-        cr_frobenius_cap: keep ``||W||_F <= sqrt(r)`` in ``cr`` mode too (the ablation of spec 2.8; off in Prop F.9).
+        cr_frobenius_cap: keep ``||W||_F <= sqrt(r)`` in ``cr`` mode too (an ablation; off in Prop F.9).
         probe_repeats: labelled sets (of ``num_val`` samples each) averaged in the final downstream errors.
         seed: seed of the initialisation.
     """
@@ -128,12 +128,11 @@ class LinearContrastive(FeatureLearningModule):
                 raise ConfigError("model.reference", "a checkpoint of a universal LinearContrastive run", reference)
             self._reference_w = state["state_dict"]["w"]
         self.save_hyperparameters()
-        self.hp = self.hparams
         self.cr = ContrastiveRegularization(lam=1.0, gamma=gamma if mode == "cr" else None)
 
     # ------------------------------------------------------------------------------------------
     def build(self, dm: HiddenRepresentationDataModule) -> None:
-        hp = self.hp
+        hp = self.hparams
         self.T, self.s, self.r, self.u, self.k, self.d = dm.T, dm.s, dm.r, dm.u, dm.k, dm.d
         self.groups, self.target = dm.groups, dm.target_task
         self.other = (dm.target_task + 1) % dm.T
@@ -168,9 +167,9 @@ class LinearContrastive(FeatureLearningModule):
         self.m = m
 
     def configure_optimizers(self):
-        if self.hp.optimizer == "adam":
-            return torch.optim.Adam([self.w], lr=self.hp.lr)
-        return torch.optim.SGD([self.w], lr=self.hp.lr)
+        if self.hparams.optimizer == "adam":
+            return torch.optim.Adam([self.w], lr=self.hparams.lr)
+        return torch.optim.SGD([self.w], lr=self.hparams.lr)
 
     # ------------------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -179,21 +178,21 @@ class LinearContrastive(FeatureLearningModule):
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         f, f_pos = self(batch["x"]), self(batch["x_pos"])
-        if self.hp.loss == "pca":  # per-pair: no other sample enters
+        if self.hparams.loss == "pca":  # per-pair: no other sample enters
             loss = contrastive_loss(f, f_pos, "pca")
         else:  # the other samples of the GLOBAL batch are the negatives (rank-major = one process's order)
-            loss = contrastive_loss(all_gather_cat_with_grad(f), all_gather_cat_with_grad(f_pos), self.hp.loss,
-                                    self.hp.temperature)
+            loss = contrastive_loss(all_gather_cat_with_grad(f), all_gather_cat_with_grad(f_pos), self.hparams.loss,
+                                    self.hparams.temperature)
         if self._trainer is not None and self.theory_due():
-            self.log("loss/contrastive", loss, prog_bar=True)
+            self.log("train/loss", loss, sync_dist=True)
         return loss
 
     def finish_step(self, step: int) -> None:
         """The projection, part of every step: onto ``{||W||_2 <= 1, ||W||_F <= sqrt(r)}``, or in ``cr`` mode onto
         the spectral ball intersected with the trust region around ``W*`` (exactly, by Dykstra's algorithm)."""
-        if self.hp.mode == "cr":
-            self.w.copy_(project_trust_region(self.w, self.cr.reference()["w"], self.hp.gamma, 1.0,
-                                              radius2=float(self.r) if self.hp.cr_frobenius_cap else None))
+        if self.hparams.mode == "cr":
+            self.w.copy_(project_trust_region(self.w, self.cr.reference()["w"], self.hparams.gamma, 1.0,
+                                              radius2=float(self.r) if self.hparams.cr_frobenius_cap else None))
         else:
             self.w.copy_(project_spectral_frobenius(self.w, float(self.r), 1.0))
         if self._trainer is not None and self.theory_due():
@@ -206,7 +205,7 @@ class LinearContrastive(FeatureLearningModule):
 
     def predicted(self) -> dict[str, float]:
         """The closed-form ``c`` per group for this mode (cr: from the universal start's measured target value)."""
-        hp = self.hp
+        hp = self.hparams
         start = self.start_norms[f"P{self.target}"] if hp.mode == "cr" else None
         return predicted_column_norms(hp.mode, self.T, self.s, self.r, gamma=hp.gamma if hp.mode == "cr" else None,
                                       target=self.target, start=start)
@@ -222,7 +221,7 @@ class LinearContrastive(FeatureLearningModule):
         if others:
             out["c/P_other"] = sum(c[f"P{t}"] for t in others) / len(others)
             out["c_theory/P_other"] = sum(p[f"P{t}"] for t in others) / len(others)
-        if self.hp.mode == "cr":
+        if self.hparams.mode == "cr":
             out["cr/distance"] = float(self.cr.distance({"w": self.w}))
         return out
 
@@ -235,7 +234,7 @@ class LinearContrastive(FeatureLearningModule):
             for name in ("target", "other"):
                 f = lambda part: self(getattr(self, f"{name}_{part}_x"))  # noqa: E731
                 out[name] = downstream_errors(f("train"), getattr(self, f"{name}_train_y"), f("test"),
-                                              getattr(self, f"{name}_test_y"), ms, self.hp.probe_repeats,
+                                              getattr(self, f"{name}_test_y"), ms, self.hparams.probe_repeats,
                                               sign=self.label_kind == "sign")
         return out
 
@@ -243,12 +242,12 @@ class LinearContrastive(FeatureLearningModule):
         """Column norms against theory, the contrastive loss against its closed form, downstream errors."""
         out = self.theory_metrics()
         c = self.column_norms()
-        if self.hp.loss in ("theory", "pca"):
-            tasks = list(range(self.T)) if self.hp.mode == "universal" else [self.target]
+        if self.hparams.loss in ("theory", "pca"):
+            tasks = list(range(self.T)) if self.hparams.mode == "universal" else [self.target]
             weights = [self.task_weights[t] for t in tasks]
             s_sig, r_sig, _ = self.sigmas
             out["loss/closed_form_at_measured_c"] = contrastive_loss_closed_form(
-                c["S"], [c[f"P{t}"] for t in tasks], self.s, self.r, weights, s_sig, r_sig, self.hp.loss,
+                c["S"], [c[f"P{t}"] for t in tasks], self.s, self.r, weights, s_sig, r_sig, self.hparams.loss,
                 samples=100_000)
         down = self.downstream()
         for name, rows in down.items():

@@ -1,4 +1,4 @@
-"""Contrastive learning with a one-layer softmax ViT (seed 002, spec sections 2.2, 3.2, 4.3, 7.3).
+"""Contrastive learning with a one-layer softmax ViT (Huang et al. 2025, Def. 2.6, 2.7, eq. 2.11).
 
 Queries are positional only, keys and values content only, and the output is mean-pooled over all P
 queries::
@@ -7,14 +7,14 @@ queries::
 
 computed by :func:`featlearn.kernels.masked_attention.masked_attention` with the shared query rows
 ``W = E Q`` (``out.mean(1)``), or, on the PyTorch backend (``pooling="auto"`` on CPU), by the pooled form
-``F = abar X`` with ``abar = 1/P 1^T softmax(W X^T)`` (spec 3.2): the same function with half the GEMMs,
+``F = abar X`` with ``abar = 1/P 1^T softmax(W X^T)``: the same function with half the GEMMs,
 as the op's output rows are never needed one by one. The pooled form takes the logits of all three views
 from one product ``W X^T`` of the unmasked sample: a masked key is a zero patch, whose logit is exactly 0
 and whose value adds nothing, so a view's logits are that product with its masked columns set to 0 (the
 same numbers, bit for bit, as the product with the masked view; one GEMM instead of three). In the
 canonical basis ``W = E Q`` is the first P rows of Q (``E = [I_P 0]``; again bit for bit).
 
-The loss is InfoNCE on the raw inner product with stop-gradient candidates (spec 4.3): for anchor ``X_i^+``
+The loss is InfoNCE on the raw inner product with stop-gradient candidates (eq. 2.3, 2.11): for anchor ``X_i^+``
 (one masking of the noisy sample ``X_i``), the positive ``X_i^{++}`` (another masking of the same ``X_i``,
 same noise) and the negatives, the unaugmented ``X_j`` of every other sample of the global batch
 (``N_c = B - 1``)::
@@ -25,7 +25,8 @@ same noise) and the negatives, the unaugmented ``X_j`` of every other sample of 
 ``tau = 1/ln d`` and ``lambda = 0`` by default; plain SGD (``lr = eta``). Only the anchor carries gradient,
 so under DDP the negatives' representations are gathered from every rank without it, and a step on two
 ranks equals one process's step on the global batch. Needs ``K (1 - gamma0) > 1`` for the collapse onto
-the global area (spec A9): a warning below 1.5.
+the global area (our finding: same-cluster negatives are unmasked while the positive is masked, so the
+global correlation's initial gradient goes as ``(1 - gamma0) - 1/K``, a term Lemma J.7 drops): a warning below 1.5.
 
 Example:
     >>> from featlearn.datamodules.global_local_patches import GlobalLocalPatchDataModule
@@ -45,12 +46,13 @@ import torch
 import torch.distributed as dist
 
 from featlearn.errors import ConfigError
-from featlearn.kernels.backend import resolve_backend
+from featlearn.kernels.backend import Backend, Precision, resolve_backend
 from featlearn.kernels.masked_attention import masked_attention
 from featlearn.lightning_modules.vit_common import GlobalLocalViT, attention_sums, distributed, global_means
 from featlearn.metrics import to_host
 from featlearn.metrics.figures import tensorboard_writer
 from featlearn.metrics.probes import all_gather_cat
+from featlearn.papers import cite
 from featlearn.theory.vit import cl_loss_floor, init_values, patch_vectors
 from featlearn.validation import NonNegativeFloat, OpenUnitInterval, PositiveFloat, check_args, check_memory
 
@@ -85,9 +87,10 @@ class ViTCL(GlobalLocalViT):
 
     Args:
         gamma0: masking ratio of each augmented view (``round(gamma0 P)`` masked patches).
-        lr: SGD step ``eta`` (spec 4.4: ``10^3 .. 10^4`` at P = 256: the gradients are tiny).
+        lr: SGD step ``eta`` (``10^3 .. 10^4`` at P = 256: the gradients are tiny).
         temperature: ``tau`` (``null``: ``1 / ln d``).
-        weight_decay: ``lambda`` of the ``lambda/2 ||Q||^2`` penalty (spec A8: 0 by default).
+        weight_decay: ``lambda`` of the ``lambda/2 ||Q||^2`` penalty (0 by default: the paper gives two
+            conflicting values).
         pooling: ``op`` (the fused op, then the mean over queries), ``pooled`` (the column-mean form in
             PyTorch) or ``auto`` (``op`` when the op runs on Triton, else ``pooled``).
         backend: backend of the fused op (``auto``: Triton on CUDA).
@@ -101,13 +104,13 @@ class ViTCL(GlobalLocalViT):
         temperature: PositiveFloat | None = None,
         weight_decay: NonNegativeFloat = 0.0,
         pooling: Literal["auto", "op", "pooled"] = "auto",
-        backend: Literal["auto", "torch", "triton"] = "auto",
-        input_precision: Literal["auto", "tf32", "ieee"] = "ieee",
+        backend: Backend = "auto",
+        input_precision: Precision = "ieee",
     ):
         check_args("model", ViTCL.__init__, locals())
         super().__init__()
         self.save_hyperparameters()
-        self.gamma0, self.lr, self.lam = float(gamma0), float(lr), float(weight_decay)
+        self.gamma0, self.lr = float(gamma0), float(lr)
         self.pooling, self.backend, self.input_precision = pooling, backend, input_precision
 
     def build(self, dm) -> None:
@@ -119,7 +122,9 @@ class ViTCL(GlobalLocalViT):
         if dm.K * (1 - self.gamma0) <= 1.5:
             warnings.warn(f"model.gamma0 = {self.gamma0} with data.K = {dm.K}: K (1 - gamma0) = "
                           f"{dm.K * (1 - self.gamma0):.2f} <= 1.5; contrastive learning collapses onto the global "
-                          f"area only if K (1 - gamma0) > 1 (spec A9), and slowly near it", stacklevel=2)
+                          f"area only if K (1 - gamma0) > 1 (the global correlation's initial gradient goes as "
+                          f"(1 - gamma0) - 1/K, a term {cite('vit', 'Lemma J.7')} drops), and slowly near it",
+                          stacklevel=2)
         P, d = dm.P, dm.d
         item = dm.dtype.itemsize
         # Q, its gradient; per step x, two views, noise (B, P, d), one view's (B, P, P) attention and its gradient
@@ -133,7 +138,7 @@ class ViTCL(GlobalLocalViT):
         self.sample_vmax = min(1.0, 4.0 / P)
 
     def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.0, weight_decay=self.lam)
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.0, weight_decay=self.hparams.weight_decay)
 
     def query_rows(self) -> torch.Tensor:
         return self.Q[: self.P] if self.canonical else self.E @ self.Q
@@ -230,7 +235,7 @@ class ViTCL(GlobalLocalViT):
         if due and self._trainer is not None:
             met = self.metrics(batch, out)
             loss = met.pop("loss")
-            met = {"loss/train": loss, "loss/objective": loss + 0.5 * self.lam * self.Q.detach().square().sum(),
+            met = {"train/loss": loss, "loss/objective": loss + 0.5 * self.hparams.weight_decay * self.Q.detach().square().sum(),
                    **{f"attn/{k}" if k.startswith("attn") else f"cl/{k}": v for k, v in met.items()}}
             self.log_metrics(met)
             if self.figures_due() and tensorboard_writer(self._trainer) is not None:

@@ -1,5 +1,5 @@
-"""What the seed-002 ViT methods share: the ground truth they read from the data, the correlation and
-attention metrics of spec 5.1, the running minimum of ``phi_local_to_global`` and the attention figures.
+"""What the ViT methods of Huang et al. 2025 share: the ground truth they read from the data, the correlation and
+attention metrics of its theorems, the running minimum of ``phi_local_to_global`` and the attention figures.
 
 ``ViTMAE`` (:mod:`featlearn.lightning_modules.vit_mae`) and ``ViTCL`` (:mod:`featlearn.lightning_modules.vit_cl`)
 subclass :class:`GlobalLocalViT`; the only trainable parameter is ``Q`` (or, on the MAE structured path, its
@@ -66,7 +66,7 @@ def attention_sums(A: torch.Tensor, own: torch.Tensor, visible: torch.Tensor
 
 
 def attention_metrics(A: torch.Tensor, own: torch.Tensor, visible: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Spec 5.1 attention summaries from the area attention ``A [B, Pq, N + 1]`` (unmasked areas, then the
+    """Attention summaries from the area attention ``A [B, Pq, N + 1]`` (unmasked areas, then the
     masked keys), the area ``own [B, Pq]`` of each query (0 = global) and ``visible [B, Pq]`` (the query's own
     area has an unmasked patch, the event ``E_{k,n}`` of Lemma D.6). Device tensors, no host sync; under DDP
     means over every rank's queries (:func:`global_means`, a collective).
@@ -95,7 +95,7 @@ def area_matrix(A: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
 
 
 class GlobalLocalViT(FeatureLearningModule):
-    """Base of the seed-002 methods: reads the data once (:meth:`build_common`), computes the feature
+    """Base of the ViT methods: reads the data once (:meth:`build_common`), computes the feature
     correlations ``Phi = E Q V^T`` metrics and tracks ``min_t phi_local_to_global`` on every step."""
 
     datamodule_class = GlobalLocalPatchDataModule
@@ -116,7 +116,7 @@ class GlobalLocalViT(FeatureLearningModule):
         self.register_ground_truth("partition", dm.partition)
         # positions sorted by their area in cluster 0: the heat maps' row order
         self.register_ground_truth("row_order", torch.argsort(dm.partition[0], stable=True))
-        # grid coordinates for the attention diversity of spec 6.1 (grid layout only)
+        # grid coordinates for the attention diversity of Huang et al. 2025, App. B (grid layout only)
         self.has_grid = dm.layout == "grid"
         if self.has_grid:
             self.register_ground_truth("grid_coords", dm.grid_coordinates())
@@ -152,8 +152,9 @@ class GlobalLocalViT(FeatureLearningModule):
                 "local_features_absmean": local_abs}
 
     def phi_metrics(self) -> dict[str, torch.Tensor]:
-        """Spec 5.1: ``phi_global_own``, ``phi_local_own``, ``phi_local_to_global`` (with its running minimum
-        and the step of that minimum), ``phi_other_absmax``, ``phi_local_features_absmean`` (device tensors)."""
+        """The correlations of Huang et al. 2025, Thm 4.1-4.4: ``phi_global_own``, ``phi_local_own``,
+        ``phi_local_to_global`` (with its running minimum and the step of that minimum), ``phi_other_absmax``,
+        ``phi_local_features_absmean`` (device tensors)."""
         parts = self.phi_parts()
         local = parts["local"]
         return {"phi_global_own": parts["own"][~local].mean(), "phi_local_own": parts["own"][local].mean(),
@@ -169,7 +170,7 @@ class GlobalLocalViT(FeatureLearningModule):
         lower = now < self.phi_l2g_min
         self.phi_l2g_min.copy_(torch.where(lower, now, self.phi_l2g_min))
         self.phi_l2g_argmin.copy_(torch.where(lower, torch.full_like(now, float(step)), self.phi_l2g_argmin))
-        if step == 1:  # eta alpha^(0): how far the first step moved the local own-area correlation (spec A7)
+        if step == 1:  # eta alpha^(0): how far the first step moved the local own-area correlation
             self.phi_local_own_step1.copy_(parts["own"][parts["local"]].mean())
 
     def heatmaps(self) -> dict[str, torch.Tensor]:
@@ -215,9 +216,10 @@ class GlobalLocalViT(FeatureLearningModule):
         return trainer is not None and (self.global_step // max(1, trainer.log_every_n_steps)) % FIGURE_EVERY == 0
 
     def diversity(self, attn: torch.Tensor, masked: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Spec 6.1 attention diversity (top-10, :func:`featlearn.theory.vit.attention_diversity`) of every
-        query's attention ``attn [B, P, P]`` on the grid, averaged over the samples: with the masked keys
-        (``masked [B, P]``) among the top-n (``diversity``) and without them (``diversity_unmasked``)."""
+        """The attention diversity of Huang et al. 2025, App. B (top-10,
+        :func:`featlearn.theory.vit.attention_diversity`) of every query's attention ``attn [B, P, P]`` on the grid,
+        averaged over the samples: with the masked keys (``masked [B, P]``) among the top-n (``diversity``) and
+        without them (``diversity_unmasked``)."""
         top_n = min(10, self.P)
         keep = max(1, int((~masked).sum(1).min()))
         return {"diversity": attention_diversity(attn, self.grid_coords, top_n).mean(),

@@ -1,4 +1,4 @@
-"""Masked autoencoding with a one-layer softmax ViT (seed 002, spec sections 2.1, 3.1, 4.1-4.2, 7.1-7.2).
+"""Masked autoencoding with a one-layer softmax ViT (Huang et al. 2025, Def. 2.4, 2.5, eq. 2.8).
 
 The masked input ``M(X)`` (exactly ``round(gamma P)`` patches replaced by 0) plus the fixed positional
 encodings, ``X~ = M(X) + E``, gives keys and queries; the values are ``M(X)`` (no E). One trainable matrix
@@ -20,8 +20,8 @@ Two paths (``path``):
 * ``dense``: ``Q [d, d]``, shared query rows ``Y = E Q`` and the fused op
   :func:`featlearn.kernels.masked_attention.masked_attention` with the masked positions as ``query_index``.
 
-Metrics (spec 5.1) every ``trainer.log_every_n_steps`` steps: the masked queries' area attention, the
-correlations ``Phi`` and ``Upsilon``, the loss split into local and global masked patches against the floor
+Metrics (the quantities of Thm 4.1/4.2) every ``trainer.log_every_n_steps`` steps: the masked queries' area attention,
+the correlations ``Phi`` and ``Upsilon``, the loss split into local and global masked patches against the floor
 (:func:`featlearn.theory.vit.loss_floor`); attention figures every 4th logged step.
 
 Example:
@@ -39,6 +39,7 @@ from typing import Literal
 import torch
 
 from featlearn.errors import ConfigError
+from featlearn.kernels.backend import Backend, Precision
 from featlearn.kernels.masked_attention import masked_attention
 from featlearn.lightning_modules.vit_common import GlobalLocalViT, attention_sums, global_means
 from featlearn.metrics import to_host
@@ -54,7 +55,8 @@ class ViTMAE(GlobalLocalViT):
 
     Args:
         gamma: masking ratio (``round(gamma P)`` masked patches per sample).
-        lr: SGD step ``eta`` (``null``: spec 4.4's ``0.02 K P / (gamma (1 - gamma) C_s E[z^3])``).
+        lr: SGD step ``eta`` (``null``: our rule ``0.02 K P / (gamma (1 - gamma) C_s E[z^3])``,
+            :func:`featlearn.theory.vit.eta_mae`).
         path: ``structured`` (exact reduced parameters, CPU default) or ``dense`` (``Q [d, d]``, fused op).
         masked_keys: ``include`` (the paper) or ``exclude`` (ablation: masked keys leave the softmax).
         backend: backend of the fused op on the dense path (``auto``: Triton on CUDA).
@@ -70,8 +72,8 @@ class ViTMAE(GlobalLocalViT):
         lr: PositiveFloat | None = None,
         path: Literal["structured", "dense"] = "structured",
         masked_keys: Literal["include", "exclude"] = "include",
-        backend: Literal["auto", "torch", "triton"] = "auto",
-        input_precision: Literal["auto", "tf32", "ieee"] = "ieee",
+        backend: Backend = "auto",
+        input_precision: Precision = "ieee",
     ):
         check_args("model", ViTMAE.__init__, locals())
         super().__init__()
@@ -146,11 +148,12 @@ class ViTMAE(GlobalLocalViT):
     def structured_attention(self, batch: dict, query_pos: torch.Tensor, with_areas: bool = False
                              ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(attention [B, Pq, P], area sums [B, Pq, N + 1] or None)`` of the queries at ``query_pos [B, Pq]``
-        from the reduced logits ``s_pq = 1{q in U} z_q Phi[p, f(q)] + Upsilon[p, q]`` (spec 3.1(3)).
+        from the reduced logits ``s_pq = 1{q in U} z_q Phi[p, f(q)] + Upsilon[p, q]`` (exact: only
+        the positional rows of Q move, Lemma D.1).
 
         Two exact forms of the same numbers (up to float rounding), chosen by the area count N: up to
         ``GEMM_MAX_AREAS`` areas a batched GEMM of the queries' ``Phi`` rows with the keys' latent-weighted area
-        one-hot (O(B Pq P N), BLAS speed), and a GEMM with the one-hot for the area sums; above it spec 7.2's
+        one-hot (O(B Pq P N), BLAS speed), and a GEMM with the one-hot for the area sums; above it the
         O(B Pq P) gather of ``Phi`` by the key's area and a ``scatter_add`` for the sums. On one CPU thread the
         GEMM form is 1.3x faster at N = 9 and 17 and 1.1-1.4x slower at N = 63 and 129."""
         N = self.n_areas
@@ -219,11 +222,11 @@ class ViTMAE(GlobalLocalViT):
                       "loss_local": ((pq * local).sum(), local.sum()),
                       "loss_global": ((pq * (1 - local)).sum(), (1 - local).sum())})
         met = global_means(pairs)
-        met["loss_ratio_init"] = met["loss_per_patch"] / self.init_loss["loss"]   # spec 5.1: against the Q = 0 loss
+        met["loss_ratio_init"] = met["loss_per_patch"] / self.init_loss["loss"]   # against the Q = 0 loss
         return met
 
     def upsilon_metrics(self) -> dict[str, torch.Tensor]:
-        """Spec 5.1 PP summaries of ``|Upsilon|``: over the same-area pairs of each cluster (means averaged
+        """Position-position summaries of ``|Upsilon|``: over the same-area pairs of each cluster (means averaged
         over the clusters, the max over them; ``same_local``: pairs in one local area), the diagonal and the
         pairs that share an area in no cluster (``other``). Device tensors, no host sync."""
         ups = self.pp_correlations().abs()
@@ -251,7 +254,7 @@ class ViTMAE(GlobalLocalViT):
         self.remember_batch(batch)
         if due and self._trainer is not None:
             met = self.metrics(batch, per_query, A)
-            met = {"loss/train": met.pop("loss"), **{f"attn/{k}" if k.startswith("attn") else f"loss/{k}": v
+            met = {"train/loss": met.pop("loss"), **{f"attn/{k}" if k.startswith("attn") else f"loss/{k}": v
                                                      for k, v in met.items()}}
             met.update({f"loss/{k}": torch.tensor(v) for k, v in self.floor.items()})  # beside the curves
             self.log_metrics(met)
@@ -284,7 +287,7 @@ class ViTMAE(GlobalLocalViT):
     @torch.no_grad()
     def attention_of_all_queries(self, batch: dict) -> torch.Tensor:
         """``[B, P, P]`` attention of every position as a query on the masked input (an unmasked query has
-        the masked one's logits, spec 3.1(2)); for figures of a few samples."""
+        the masked one's logits: the content rows of Q stay 0); for figures of a few samples."""
         B = batch["area"].shape[0]
         every = torch.arange(self.P, device=self.E.device).expand(B, -1)
         if self.path == "structured":

@@ -73,26 +73,44 @@ def curves_figure(x, series: Mapping[str, Sequence], *, xlabel: str, ylabel: str
 
 
 def bars_figure(groups: Mapping[str, Mapping[str, float]], *, ylabel: str, title: str = "",
-                errors: Mapping[str, Mapping[str, tuple[float, float]]] | None = None) -> plt.Figure:
+                errors: Mapping[str, Mapping[str, tuple[float, float]]] | None = None,
+                zoom: bool = False) -> plt.Figure:
     """Grouped bars: one group per key of ``groups`` (e.g. a method), one bar per inner key (e.g. a view).
 
     ``errors`` gives ``(low, high)`` per bar, drawn as an error bar (e.g. the min-max range over seeds).
+    ``zoom``: the y axis spans the values (with their error bars) instead of starting at 0, and each bar is
+    labelled with its value, for comparisons whose differences are small next to the values (an accuracy
+    of 1.000 against 0.993). The legend sits outside the axes, never over a bar.
+
+    Example:
+        >>> fig = bars_figure({"MRP": {"multi": 1.0, "single": 0.99}, "SL": {"multi": 1.0, "single": 0.95}},
+        ...                   ylabel="test accuracy", zoom=True)
+        >>> low, high = fig.axes[0].get_ylim(); bool(0.9 < low < 0.95 and high > 1.0)
+        True
     """
     labels = list(dict.fromkeys(k for inner in groups.values() for k in inner))
     width = 0.8 / max(1, len(groups))
     # room for each group of bars and for its (possibly multi-line) label
-    fig, ax = plt.subplots(figsize=(max(4.0, len(labels) * max(1.9, 0.7 * len(groups))), 4.5),
+    fig, ax = plt.subplots(figsize=(max(4.0, len(labels) * max(1.9, 0.7 * len(groups))) + 2.0, 4.5),
                            constrained_layout=True)
+    lows, highs = [], []
     for i, (name, inner) in enumerate(groups.items()):
         xs = [labels.index(k) + (i - (len(groups) - 1) / 2) * width for k in inner]
         heights = [inner[k] for k in inner]
         yerr = None
         if errors and name in errors:
             yerr = [[inner[k] - errors[name][k][0] for k in inner], [errors[name][k][1] - inner[k] for k in inner]]
-        ax.bar(xs, heights, width, yerr=yerr, capsize=3, label=name, color=f"C{i}")
+        bars = ax.bar(xs, heights, width, yerr=yerr, capsize=3, label=name, color=f"C{i}")
+        lows += [errors[name][k][0] if yerr else inner[k] for k in inner]
+        highs += [errors[name][k][1] if yerr else inner[k] for k in inner]
+        if zoom:
+            ax.bar_label(bars, fmt="%.3f", padding=2, fontsize=8)
+    if zoom and lows:
+        span = max(max(highs) - min(lows), 1e-3)
+        ax.set_ylim(min(lows) - 0.5 * span, max(highs) + 0.25 * span)
     ax.set_xticks(range(len(labels)), labels)
     ax.set(ylabel=ylabel, title=title)
-    ax.legend()
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     return fig
 
 
@@ -115,3 +133,38 @@ def tensorboard_writer(trainer):
         if isinstance(logger, TensorBoardLogger):
             return logger.experiment
     return None
+
+
+def log_results(trainer, params: Mapping, results: Mapping[str, float]) -> None:
+    """A run's hyperparameters and results (``hp/<name>`` scalars at the final step) for TensorBoard's
+    HPARAMS tab, on rank 0, in a form that lets runs of different methods share the table.
+
+    Each run writes only its session (hyperparameters in, status out), not an experiment summary: with
+    one in every run TensorBoard shows the columns of the first run it finds and blank cells for every
+    other method; without, it takes the hyperparameters of all runs and every scalar as a metric column.
+    Every logger also gets the hyperparameters (``hparams.yaml``) and the results as metrics."""
+    if trainer is None or trainer.global_rank != 0:
+        return
+    for logger in trainer.loggers:
+        logger.log_hyperparams(dict(params))  # no metrics: hparams.yaml only, no experiment summary
+        logger.log_metrics(dict(results), step=trainer.global_step)
+    writer = tensorboard_writer(trainer)
+    if writer is not None:
+        from torch.utils.tensorboard.summary import hparams
+
+        _, start, end = hparams(_plain(params), dict(results))
+        for summary in (start, end):
+            writer.file_writer.add_summary(summary, trainer.global_step)
+        writer.flush()
+
+
+def _plain(params: Mapping, prefix: str = "") -> dict:
+    """Flat ``{name: int | float | str | bool}`` (nested dicts as ``a/b``, anything else as its text)."""
+    flat = {}
+    for key, value in params.items():
+        if isinstance(value, Mapping):
+            flat.update(_plain(value, f"{prefix}{key}/"))
+        else:
+            flat[f"{prefix}{key}"] = value if isinstance(value, (bool, int, float, str)) else str(value)
+    return flat
+

@@ -17,7 +17,7 @@ def _ids(a):
 def test_srelu_values_at_known_points():
     q, rho = 3, 0.5
     z = torch.tensor([-2.0, 0.0, 0.25, 0.5, 1.0, 3.0], dtype=torch.float64)
-    # piecewise definition of spec 2.1: 0 / z^q/(q rho^(q-1)) / z - (1 - 1/q) rho
+    # piecewise definition (Pan et al. 2023, Sec. 3.2): 0 / z^q/(q rho^(q-1)) / z - (1 - 1/q) rho
     expected = torch.tensor([0.0, 0.0, 0.25**3 / (3 * 0.25), 0.5 / 3, 1.0 - (2 / 3) * 0.5, 3.0 - (2 / 3) * 0.5],
                             dtype=torch.float64)
     torch.testing.assert_close(smoothed_relu(z, q, rho), expected, rtol=1e-15, atol=0)

@@ -92,3 +92,23 @@ def test_bad_options_are_refused_naming_the_option(argv, field, capsys, tmp_path
     err = capsys.readouterr().err
     assert err.startswith("error: ") and field in err
     assert not list(tmp_path.iterdir())  # refused before any work
+
+
+def test_step_cases_take_the_main_jobs_configs():
+    """The step cases read the methods' run configs (as `lightning fit --config` resolves them), so a changed
+    config changes what the bench times; the gpu size is MRP's medium config and contrastive's medium size."""
+    from featlearn.bench import step_methods, steps
+    from featlearn.experiments.common import resolved_config
+
+    (mrp,) = step_methods.method("mrp", "tiny")
+    config = resolved_config("mrp/teacher_student.yaml")
+    assert mrp.data_args == config["data"]["init_args"] and mrp.model_args == config["model"]["init_args"]
+    (two_layer,) = step_methods.method("two_layer", "tiny")
+    assert two_layer.data_args["num_train"] == 5000 and two_layer.model_args["schedule"] == "plain"  # the noted changes
+    medium, flops = steps.gpu_method("mrp")
+    assert (medium.data_args["k"], medium.data_args["d"], medium.data_args["num_pretrain"], medium.model_args["m"]) == \
+        (64, 1024, 16384, 8)
+    assert flops == 4 * 16384 * 32 * 1024 * 64 * 8
+    contrastive, _ = steps.gpu_method("contrastive")
+    assert (contrastive.data_args["d"], contrastive.data_args["d1"], contrastive.model_args["lr"]) == (256, 2048, 1.0)
+

@@ -1,5 +1,6 @@
 """Data-parallel batch statistics of the fused loss: 2 CPU processes (gloo) with unequal local batches give
-the loss and the gradient of one process on the concatenated batch (spec 004 sections 7.4, 8.8)."""
+the loss and the gradient of one process on the concatenated batch (the paper's batch-norm statistics are
+the global batch's)."""
 import os
 import socket
 

@@ -1,4 +1,5 @@
-"""Contrastive regularisation in seed 001's module: start from a reference checkpoint, stay in its trust region."""
+"""Contrastive regularisation in the contrastive module of Wen & Li 2021: start from a reference checkpoint, stay in its
+trust region."""
 import lightning as L
 import pytest
 import torch

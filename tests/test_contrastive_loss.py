@@ -80,7 +80,7 @@ def test_bad_loss_arguments():
 
 @pytest.mark.parametrize("augment,bias", [("random_mask", 0.0), ("random_mask", 0.05), ("none", 0.02)])
 def test_weight_gradient_through_model_matches_closed_form(augment, bias):
-    """dL/dw_i = mean_k g_ki 1{|<w_i, a_k>| > b_i} a_k  (spec 4.2), through the module and the layer."""
+    """dL/dw_i = mean_k g_ki 1{|<w_i, a_k>| > b_i} a_k  (Wen & Li 2021, App. A.1), through the module and the layer."""
     dm = SparseCodingDataModule(d=8, d1=40, batch_size=16, num_negatives=24, augment=augment, seed=3)
     model = ContrastiveModule(width=12, init_scale=0.3, backend="torch", seed=1).attach(dm)
     model.bias.fill_(bias)

@@ -68,9 +68,9 @@ CASES = {
     # the ranks' gradients, or a module that rescaled them by the world size, would step twice as far
     "noncontrastive_population": ("noncontrastive/with_head_population.yaml", PATCHES + NC, 2, None,
                                   torch.float64),
-    # seed 002 MAE, structured path: each rank's masked-patch loss averages to the global batch's
+    # ViT MAE, structured path: each rank's masked-patch loss averages to the global batch's
     "vit_mae": ("vit/mae.yaml", VIT_DATA + ["--data.K", "3"], 4, 4, torch.float32),
-    # seed 002 CL: every anchor's negatives are the other samples of the GLOBAL batch, gathered from the ranks
+    # ViT CL: every anchor's negatives are the other samples of the GLOBAL batch, gathered from the ranks
     "vit_cl": ("vit/cl.yaml", VIT_DATA + ["--data.K", "8", "--data.d", "128", "--model.lr", "2000"], 4, 4,
                torch.float32),
 }
@@ -224,7 +224,7 @@ def test_vit_logged_run_ends_on_two_processes_with_the_one_process_results(tmp_p
         assert double[tag] == pytest.approx(value, rel=1e-4, abs=1e-6), tag
 
 
-@pytest.mark.parametrize("name, prefix", [("contrastive", ""), ("mrp_teacher_student", "pretrain/")])
+@pytest.mark.parametrize("name, prefix", [("contrastive", ""), ("mrp_teacher_student", "")])
 def test_logged_batch_metrics_are_the_global_batchs(tmp_path, name, prefix):
     """Batch-mean training metrics (losses, firing rates, positive-pair probabilities) logged on two processes
     are those of the global batch, as one process with the doubled batch logs them: each rank's mean over its
@@ -233,7 +233,7 @@ def test_logged_batch_metrics_are_the_global_batchs(tmp_path, name, prefix):
     double = _fit_logged(tmp_path, config, overrides, devices=2, batch_size=batch, prefix=prefix)
     single = _fit_logged(tmp_path, config, overrides, devices=1, batch_size=2 * batch if batch else None,
                          prefix=prefix)
-    batch_tags = [t for t in single if t.startswith(("loss/", "act/", "logits/", "pretrain/loss"))]
+    batch_tags = [t for t in single if t.startswith(("train/loss", "loss/", "act/", "logits/"))]
     assert len(batch_tags) >= 3 if name == "contrastive" else batch_tags, sorted(single)
     for tag in batch_tags:
         assert double[tag] == pytest.approx(single[tag], rel=1e-4, abs=1e-6), tag

@@ -4,7 +4,7 @@ import importlib
 
 import pytest
 
-MODULES = ["featlearn.experiments.common", "featlearn.experiments.mrp", "featlearn.datamodules.multiview",
+MODULES = ["featlearn.kernels.registry", "featlearn.experiments.common", "featlearn.experiments.mrp", "featlearn.datamodules.multiview",
            "featlearn.lightning_modules.mrp", "featlearn.lightning_modules.multiview_classifier",
            "featlearn.lightning_modules.multiview_encoder", "featlearn.errors",
            "featlearn.lightning_modules.contrastive", "featlearn.lightning_modules.noncontrastive",
@@ -21,7 +21,8 @@ MODULES = ["featlearn.experiments.common", "featlearn.experiments.mrp", "featlea
            "featlearn.lightning_modules.two_layer", "featlearn.datamodules.hidden_representation",
            "featlearn.theory.universality", "featlearn.lightning_modules.universality",
            "featlearn.lightning_modules.contrastive_regularization", "featlearn.experiments.universality",
-           "featlearn.experiments.sweep", "featlearn.experiments.vit", "featlearn.gpu.compile", "featlearn.gpu.cases"]
+           "featlearn.experiments.sweep", "featlearn.experiments.vit", "featlearn.gpu.compile", "featlearn.gpu.cases",
+           "featlearn.papers", "featlearn.bench.harness", "featlearn.quiet"]
 
 
 @pytest.mark.parametrize("name", MODULES)

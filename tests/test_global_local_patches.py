@@ -1,4 +1,4 @@
-"""The seed-002 patch sampler (spec 002 sections 1-2): sizes from the exponents (every preset of section 1.6),
+"""The patch sampler of Huang et al. 2025 (Def. 2.1-2.7): sizes from the exponents (every preset),
 orthonormal geometry in both bases, areas that partition the positions, exact-count masks, samples that are
 functions of (seed, index), contrastive views sharing their noise of variance 1/d, and refusals naming the
 field."""
@@ -18,7 +18,7 @@ from featlearn.theory import vit as theory
 pytestmark = pytest.mark.usefixtures("one_thread")
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "vit"
 
-# spec 1.6: preset -> (P, C_1, C_s, N - 1, Delta)
+# preset -> (P, C_1, C_s, N - 1, Delta)
 PRESETS = {
     "p256_pos": (256, 128, 16, 8, 0.25), "p256_neg": (256, 32, 16, 14, -0.25),
     "p256_pos_small": (256, 64, 4, 48, 0.25), "p1024_pos": (1024, 512, 32, 16, 0.30),
@@ -92,8 +92,8 @@ def test_grid_layout_tiles_the_torus():
 
 @pytest.mark.parametrize("seed", range(20))
 def test_grid_clusters_share_no_local_area_and_the_global_area_is_a_block(seed):
-    """Spec 1.2: each cluster its own partition (no local area of one cluster is an area of another; with
-    offsets drawn from only h w values, 5 of these 20 seeds used to repeat a tiling at K = 4); spec 1.7: the
+    """Huang et al. 2025, Def. 2.1: each cluster its own partition (no local area of one cluster is an area of another;
+    with offsets drawn from only h w values, 5 of these 20 seeds used to repeat a tiling at K = 4); our grid layout: the
     global area is a block of tiles (here 2 x 4 tiles of 4 x 4, up to a cyclic shift)."""
     dm = GlobalLocalPatchDataModule(P=256, K=4, kappa_c=0.875, kappa_s=0.5, layout="grid", seed=seed)
     part = dm.partition

@@ -1,4 +1,4 @@
-"""Headline of seed 001 at EQUAL bias, on a small fixed-seed config: d=16 by the experiment's size rule
+"""Headline of Wen & Li 2021 at EQUAL bias, on a small fixed-seed config: d=16 by the experiment's size rule
 (d1=128, m=64, K=256, N=128, eta=2, 487 steps), seeds 0 and 1, trained through the same configs and code
 path as ``python -m featlearn.experiments.contrastive``.
 

@@ -1,4 +1,5 @@
-"""Headline predictions of seed 000 on a small fixed-seed config, through the experiment's own runs.
+"""Headline predictions of Pan et al. 2023 (Thm 1; Thm 2 vs Lemma 1) on a small fixed-seed config, through the
+experiment's own runs.
 
 Size: k = 6, d = 64, P = 16 and, by the experiment's size rule, m = 5, N = 600, N2 = 300; mu = 0.02 in
 training, single-view share 0.5 in the 10000 test samples; seeds 0, 1, 2. Measured when written (one thread):

@@ -1,4 +1,4 @@
-"""Headline claim of seed 004 (Thm 4.1 vs 4.3) through the experiment's own entry point: with the
+"""Headline claim of Wen & Li 2022 (Thm 4.1 vs 4.3) through the experiment's own entry point: with the
 prediction head the two neurons end on different features more often than without it, on a small size
 with pinned seeds; and the experiment's options reject bad input by name."""
 import pytest

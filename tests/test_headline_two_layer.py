@@ -1,4 +1,4 @@
-"""Headline claims of seed 003 chapter 2 through the experiment's own functions at a small size
+"""Headline claims of Shi 2024, Ch. 2 (Table A.1) through the experiment's own functions at a small size
 (parity, d = 100, D = 100, k = 5, m = 50, n = 4,000, T = 150, seed 0, the experiment's lr3 grid chosen on
 validation accuracy for the methods that take stage-3 steps): the network's neurons align with
 sum_A M_j after two steps (CosSim > 0.99); the best classifier on the step-2 features (Two Step) fits the

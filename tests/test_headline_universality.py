@@ -1,4 +1,5 @@
-"""Headline of seed 003 ch. 7 through the experiment's own entry point, at T = 8 (s = 5, r = 10, u = 10), seed 0,
+"""Headline of Shi 2024, Ch. 7 (Shi et al. 2023) through the experiment's own entry point, at T = 8 (s = 5, r = 10,
+u = 10), seed 0,
 600 pretraining steps (200 for CR): the target-specific representation is more label-efficient on its own task
 at small m; the universal one is better on another task (the specific one plateaus there); contrastive
 regularisation recovers the target-task efficiency while keeping the other-task error of the universal

@@ -1,4 +1,4 @@
-"""The hidden-representation linear model (seed 003 ch. 7, spec 003b 2.2): structure, statistics, labels,
+"""The hidden-representation linear model (Shi 2024, Eq. 7.6-7.8): structure, statistics, labels,
 determinism and refusals."""
 import math
 

@@ -54,6 +54,7 @@ def test_a_run_shows_figures_results_and_clean_hparams(tmp_path, one_thread):
     bar = cli.trainer.progress_bar_callback
     assert type(bar).__name__ == "StepProgressBar" and bar.total_train_batches == 4
     assert bar.train_progress_bar.n == 4  # steps, not batches of the current epoch
+    assert "loss" in bar.get_metrics(cli.trainer, cli.model)  # the training loss, for every method alike
 
     run = next(tmp_path.rglob("hparams.yaml")).parent
     hparams = yaml.safe_load((run / "hparams.yaml").read_text())

@@ -13,21 +13,13 @@ from triton.runtime.jit import KernelInterface
 
 import featlearn.kernels
 from featlearn.kernels.backend import grouped_grid, grouped_tile
+from featlearn.kernels.registry import OPS as REGISTRY
 
-# op module -> (public function, autograd.Function, Triton name prefix or None for a PyTorch-only op)
-OPS = {
-    "patch_activation_sum": ("patch_activation_sum", "PatchActivationSumFunction", "_patch_sum"),
-    "soft_threshold": ("soft_threshold_layer", "SoftThresholdFunction", "_soft_threshold"),
-    "bn_cosine_loss": ("bn_cosine_loss", "BNCosineLossFunction", "_bn_cosine"),
-    "infonce": ("infonce_stopgrad", "InfoNCEStopGradFunction", None),
-    "masked_attention": ("masked_attention", "MaskedAttentionFunction", "_masked_attn"),
-    "smoothed_clamp": ("smoothed_clamp_layer", "SmoothedClampFunction", "_smoothed_clamp"),
-}
-SHARED = {"backend", "activations"}  # helper modules, not ops
-# kernel arguments that follow the batch (rows of x, flattened sample x patch rows, row blocks): never
-# autotune keys. masked_attention launches one grid column per sample, so no argument carries B.
-BATCH_ARGS = {"_patch_sum": {"B", "M"}, "_soft_threshold": {"B"}, "_bn_cosine": {"N", "NPROG"}, "_masked_attn": set(),
-              "_smoothed_clamp": {"B"}}
+# op module -> (public function, autograd.Function, Triton name prefix or None for a PyTorch-only op), from
+# the one registry of ops
+OPS = {op.module: (op.function, op.autograd, op.triton) for op in REGISTRY}
+SHARED = {"backend", "activations", "registry"}  # helper modules, not ops
+BATCH_ARGS = {op.triton: set(op.batch_args) for op in REGISTRY if op.triton}
 
 
 def _module(name):
@@ -57,7 +49,7 @@ def _line(obj):
 
 def test_every_op_module_is_checked():
     found = {m.name for m in pkgutil.iter_modules(featlearn.kernels.__path__)} - SHARED
-    assert found == set(OPS), "add the new op module to OPS in this test"
+    assert found == set(OPS), "add the new op module to featlearn/kernels/registry.py"
 
 
 @pytest.mark.parametrize("name", OPS)

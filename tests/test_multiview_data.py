@@ -1,4 +1,4 @@
-"""The multi-view sampler of seed 000 against the statistics stated in spec section 1."""
+"""The multi-view sampler (Pan et al. 2023, Def. 3.1) against its stated statistics."""
 import math
 
 import pytest

@@ -1,4 +1,4 @@
-"""Non-contrastive module of spec 004: frozen diagonal of E, stop-grad, population oracle (spec 5.3/5.6),
+"""Non-contrastive module of Wen & Li 2022: frozen diagonal of E, stop-grad, population oracle (our reference run),
 a short fixed-seed SGD run whose E21 rises, the Lightning/CLI wiring of every config."""
 import glob
 import math
@@ -107,9 +107,9 @@ def test_stop_grad_matches_float64_reference_and_ema():
     assert torch.allclose(ema.w_target, 0.9 * old_t + 0.1 * ema.w.detach())
 
 
-def test_population_oracle_reproduces_spec_table():
-    """Spec 5.3 pinned init (demo-A): at t = 2500 cos(w1,v1) = 0.883, E21 = 0.195, E12 = 0.011, loss 1.1758
-    (tolerances +-0.02 and +-0.002 as the spec states), and E21 rises monotonically (substitution)."""
+def test_population_oracle_reproduces_reference_run():
+    """The pinned demo-A init of our numpy prototype's reference run: at t = 2500 cos(w1,v1) = 0.883, E21 = 0.195,
+    E12 = 0.011, loss 1.1758 (to +-0.02 and +-0.002), and E21 rises monotonically (substitution)."""
     d = 100
     b = torch.tensor([[0.0822, -0.1303], [0.0346, 0.0330]], dtype=torch.float64)
     a = torch.tensor([[0.7993, -0.1030], [-0.1030, 0.8948]], dtype=torch.float64)
@@ -128,7 +128,7 @@ def test_population_oracle_reproduces_spec_table():
     e21 = e[:, 1, 0]
     assert (e21[1:] > e21[:-1]).all()                         # the rise of E21
     assert (torch.diagonal(e, dim1=-2, dim2=-1) == 1).all()
-    # sign(E21) = sign(B21 B11) (spec 4.2)
+    # sign(E21) = sign(B21 B11) (the driving term of E21 in Wen & Li 2022, Fact D.2)
     assert math.copysign(1, float(e21[-1])) == math.copysign(1, float(out["B"][-1, 0, 1, 0] * out["B"][-1, 0, 0, 0]))
     # same init, no head: E stays I, neuron 1 races on its own
     nh = simulate_population(w, torch.eye(2, d, dtype=torch.float64), [4.0, 2.7], [0.5, 0.5], 32, 8, 1.0,
@@ -233,7 +233,7 @@ def test_configs_run_through_cli(config, tmp_path, monkeypatch):
 def test_lightning_population_mode_equals_simulator(head):
     """The Lightning loop (SGD param groups, frozen diagonal, simultaneous W/E update) reproduces the
     batched population simulator that the headline table uses, at every logged step of 400, to float64
-    rounding: the table's numbers are the module's numbers. From the spec 5.3 pinned demo-A init at the
+    rounding: the table's numbers are the module's numbers. From the pinned demo-A init at the
     experiment's eta = 0.2 (head eta_E = 0.1, a separate param group), 400 steps take the lead neuron from
     cos 0.09 to 0.86 and, with the head, E21 from 0 to 0.12: the stretch where any mismatch in the update
     would compound."""
@@ -272,7 +272,7 @@ def test_lightning_population_mode_equals_simulator(head):
 
 
 def test_rotation_invariance_of_population_loss():
-    """Spec 5.5 test 9: a random orthonormal feature basis gives the same loss/dynamics as e1, e2."""
+    """A random orthonormal feature basis gives the same loss/dynamics as e1, e2."""
     d = 9
     g = torch.Generator().manual_seed(11)
     q, _ = torch.linalg.qr(torch.randn(d, d, generator=g, dtype=torch.float64))

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from featlearn.errors import ConfigError
-from featlearn.kernels import (Activation, PatchSums, patch_activation_sum,
+from featlearn.kernels import (Activation, KernelInputError, PatchSums, patch_activation_sum,
                                patch_activation_sum_reference)
 
 # the package re-exports the function under the module's name, so fetch the module itself
@@ -148,7 +148,7 @@ def test_chunk_size_follows_dw_size():
     # default chunks: DW_REUSE * R * d elements of dA, clamped to [MIN_CHUNK_ELEMENTS, the save budget]
     P, itemsize = 32, 4
     assert pas._rows_per_chunk(P, 30, 256, itemsize, None, SAVE) == pas.MIN_CHUNK_ELEMENTS // (P * 30)
-    R, d = 11264, 2048  # spec 000 "large": 16 R d elements would be 1.5 GB, over the 1 GiB budget
+    R, d = 11264, 2048  # MRP at k = 512, m = 22: 16 R d elements would be 1.5 GB, over the 1 GiB budget
     assert pas._rows_per_chunk(P, R, d, itemsize, None, SAVE) == SAVE // itemsize // (P * R)
     R, d = 2048, 2048
     assert pas._rows_per_chunk(P, R, d, itemsize, None, SAVE) == pas.DW_REUSE * R * d // (P * R)
@@ -282,7 +282,11 @@ def test_bad_inputs_raise_config_error_naming_the_argument(field, kwargs, fragme
     with pytest.raises(ConfigError) as info:
         patch_activation_sum(x, w, act, **kwargs)
     msg = str(info.value)
-    assert msg.startswith(f"{field}: must be ") and fragment in msg, msg
+    assert info.value.field == field and fragment in msg, msg
+    if field in ("x", "w", "mask"):  # a tensor argument: the op's KernelInputError
+        assert isinstance(info.value, KernelInputError) and msg.startswith(f"patch_activation_sum: {field} "), msg
+    else:
+        assert msg.startswith(f"{field}: must be "), msg
 
 
 SUPPORTED = "supported: torch.float32, torch.float64 (all inputs the same dtype)"

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from featlearn.errors import ConfigError
+from featlearn.kernels.backend import KernelInputError
 
 sc = importlib.import_module("featlearn.kernels.smoothed_clamp")
 
@@ -96,11 +97,12 @@ def test_bad_inputs_raise_config_error():
     x, w = torch.randn(3, 5), torch.randn(4, 5)
     with pytest.raises(ConfigError, match="^backend"):
         sc.smoothed_clamp_layer(x, w, backend="cuda")
-    with pytest.raises(ConfigError, match="^w:"):
+    # tensor shapes: a KernelInputError (a ConfigError) naming the op, the argument and the allowed shape
+    with pytest.raises(KernelInputError, match=r"^smoothed_clamp_layer: w has shape \[4, 6\]; must be .* \[M, 5\]"):
         sc.smoothed_clamp_layer(x, torch.randn(4, 6))
-    with pytest.raises(ConfigError, match="^bias:"):
+    with pytest.raises(KernelInputError, match=r"^smoothed_clamp_layer: bias has shape \[3\]; must be .* \[4\]"):
         sc.smoothed_clamp_layer(x, w, torch.zeros(3))
-    with pytest.raises(ConfigError, match="^x:"):
+    with pytest.raises(KernelInputError, match=r"^smoothed_clamp_layer: x has shape \[2, 3, 5\]; must be a 2-D"):
         sc.smoothed_clamp_layer(torch.randn(2, 3, 5), w)
     for s in (-0.1, float("nan"), float("inf")):
         with pytest.raises(ConfigError, match="^smoothing:"):

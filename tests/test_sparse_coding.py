@@ -1,4 +1,4 @@
-"""SparseCodingDataModule: sampler statistics, determinism, RandomMask views, view cross-covariance (spec 2.3)."""
+"""SparseCodingDataModule: sampler statistics, determinism, RandomMask views, view cross-covariance."""
 import math
 
 import pytest
@@ -141,7 +141,7 @@ def test_coordinate_dictionary_has_zero_cross_covariance():
 
 def test_raw_probe_population_value():
     dm = SparseCodingDataModule(d=32, d1=256)
-    assert dm.raw_probe_nmse() == pytest.approx(0.60, abs=0.01)  # spec 1.2: ~0.60 at d=32
+    assert dm.raw_probe_nmse() == pytest.approx(0.60, abs=0.01)  # sigma^2 / (p + sigma^2) = 0.60 at d=32
 
 
 def test_test_stage_reads_the_validation_then_the_test_split():

@@ -1,4 +1,4 @@
-"""F_Xi sampler (spec 003a 1.1): statistics against the closed forms, exact structure, determinism,
+"""F_Xi sampler (Shi 2024, Sec. 2.3): statistics against the closed forms, exact structure, determinism,
 variants and refusals naming the field."""
 import math
 
@@ -27,7 +27,7 @@ def _phi(dm, x):
 
 
 def test_parity_main_setting_statistics():
-    """E[y] = 0, gamma = 1/4, sigma~^2 = D/4 (spec: 'derived constants'), each within 5 standard errors."""
+    """E[y] = 0, gamma = 1/4, sigma~^2 = D/4 (from the mixture's definition), each within 5 standard errors."""
     dm = _dm(dim=120, num_patterns=100, p_o=0.5)
     assert dm.constants["gamma"] == pytest.approx(0.25) and dm.constants["sigma2"] == pytest.approx(25.0)
     b = dm.sample(torch.arange(N), "train")
@@ -148,6 +148,6 @@ def test_bad_values_are_refused_naming_the_field(kw, field):
     assert info.value.field == field, str(info.value)
 
 
-def test_theory_constants_match_spec_numbers():
+def test_theory_constants_match_hand_computed_numbers():
     c = data_constants("parity", 5, 100, 0.5)
     assert (c["gamma"], c["sigma2"], c["mean_y"]) == pytest.approx((0.25, 25.0, 0.0))

@@ -1,4 +1,4 @@
-"""Two-feature patch sampler (spec 004 sections 1-2): exact structure, statistics and determinism."""
+"""Two-feature patch sampler (Wen & Li 2022, Def. 3.1, eq. 3.2): exact structure, statistics and determinism."""
 import math
 
 import pytest
@@ -58,7 +58,7 @@ def test_statistics():
     assert abs(b["view1"].double().mean() - 0.5) < 1e-12
 
 
-def test_opt_constant_matches_spec():
+def test_opt_constant_matches_hand_computed_value():
     k = hypergeometric_moments(32, 8)
     assert k["V_a"] == pytest.approx(1.5484, abs=1e-4)
     assert k["C0"] / 2 == pytest.approx(7.2258, abs=1e-4) and k["C1"] / 2 == pytest.approx(8.7742, abs=1e-4)

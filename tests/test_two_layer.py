@@ -1,4 +1,4 @@
-"""TwoLayerNetwork (spec 003a 1.2-1.4): mirrored init, the schedule's exact erasing steps, the NTK
+"""TwoLayerNetwork (Shi 2024, Sec. 2.3, App. A.7.1): mirrored init, the schedule's exact erasing steps, the NTK
 linearisation against autograd's jvp, frozen layers of the baselines, the probes' exact readout, the
 plain schedule on the Gaussian mixture, every config through the CLI, and bad values refused naming the
 field."""
@@ -24,7 +24,7 @@ def _dm(**kw):
     return StructuredParityDataModule(**base)
 
 
-def test_mirrored_init_gives_zero_and_spec_scales():
+def test_mirrored_init_gives_zero_and_paper_scales():
     dm = _dm(dim=500, num_patterns=100, k=5, dtype="float32")
     model = TwoLayerNetwork(width=300, steps=600).attach(dm)
     assert model.init_values == pytest.approx({"sigma_w": 0.2, "sigma_b": 0.04, "sigma_a": 4.0})

@@ -1,4 +1,4 @@
-"""Seed 003 ch. 7: the exact projection onto {||W||_2 <= 1, ||W||_F <= sqrt(r)}, the losses, the closed forms,
+"""Shi 2024, Ch. 7: the exact projection onto {||W||_2 <= 1, ||W||_F <= sqrt(r)}, the losses, the closed forms,
 contrastive regularisation, the LinearContrastive module (a small universal run reaches c_{P_t} = 1/T, CR its
 closed form) and the configs through the CLI."""
 import math
@@ -269,7 +269,7 @@ def test_small_universal_run_reaches_one_over_T():
 
 def test_cr_reaches_its_closed_form_and_the_cap_breaks_it():
     """CR from the closed-form universal W* at T = 4, s = 3, r = 6, gamma = 0.5: c_{P_target} ->
-    (1/2 + 0.5/sqrt 3)^2 = 0.618, other tasks stay 1/4. With the Frobenius cap kept (spec 2.8) the target
+    (1/2 + 0.5/sqrt 3)^2 = 0.618, other tasks stay 1/4. With the Frobenius cap kept (an ablation) the target
     cannot reach it and the other tasks lose weight."""
     dm = HiddenRepresentationDataModule(T=4, s=3, r=6, u=4, batch_size=1024, num_val=8, num_test=200)
     model = _train(LinearContrastive(mode="cr", gamma=0.5, lr=0.5, probe_repeats=2).attach(dm), dm, 150)

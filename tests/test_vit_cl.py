@@ -1,7 +1,7 @@
-"""The seed-002 contrastive module (spec 002 sections 3.2, 4.3, 5.2, 5.5): the pooled form equals the fused
+"""The contrastive ViT of Huang et al. 2025 (Def. 2.6, eq. 2.11, Thm 4.4): the pooled form equals the fused
 op, the InfoNCE loss with in-batch negatives and stop-gradient candidates, the exact gradient of Lemma J.2,
-the support of Q (T4), the init values, the collapse onto the global area (T7) and its failure for
-K (1 - gamma0) <= 1 (spec A9), the warning, the logged run and refusals."""
+the support of Q, the init values, the collapse onto the global area and its failure for
+K (1 - gamma0) <= 1 (outside the paper), the warning, the logged run and refusals."""
 import doctest
 import math
 import warnings
@@ -98,7 +98,7 @@ def test_gradient_is_lemma_j2_on_the_query_rows():
 
 
 def test_init_values_and_uniform_attention():
-    """Spec 5.4: at Q = 0, F(X) = mean_q X_q, every query's attention to masked keys is gamma0 and its
+    """At Q = 0, F(X) = mean_q X_q, every query's attention to masked keys is gamma0 and its
     attention to the global area is |U+ cap P_1| / P (mean (1 - gamma0) C_1 / P)."""
     dm = GlobalLocalPatchDataModule(P=256, K=8, kappa_c=0.875, kappa_s=0.5, d=384, batch_size=32)
     model = ViTCL(gamma0=0.5).attach(dm)
@@ -138,7 +138,7 @@ def _sgd(model, dm, steps, B):
 
 
 def test_q_changes_only_in_its_positional_rows_but_in_every_column():
-    """T4: the query rows pick up noise (every column), the rows outside span(E) stay exactly 0."""
+    """The query rows pick up noise (every column), the rows outside span(E) stay exactly 0."""
     dm = _dm(dtype="float32", d=128, K=8)
     model = ViTCL(gamma0=0.5, lr=2000.0).attach(dm)
     _sgd(model, dm, 5, 7)
@@ -157,7 +157,7 @@ def _metrics(model, dm, index):
 
 
 def test_collapse_onto_the_global_area_starts_within_30_steps():
-    """A short T7 (p256_pos, K = 8, gamma0 = 0.5, d = 384, B = 32, eta = 5000, 30 steps; ~4 s). Measured on a
+    """A short headline run (p256_pos, K = 8, gamma0 = 0.5, d = 384, B = 32, eta = 5000, 30 steps; ~4 s). Measured on a
     held-out batch: attention of local queries to the global area 0.25 -> 0.59, own local area 0.031 -> 0.017,
     Phi_glob 1.43 against mean |Phi_local| 0.05."""
     dm = GlobalLocalPatchDataModule(P=256, K=8, kappa_c=0.875, kappa_s=0.5, d=384, batch_size=32)
@@ -172,9 +172,9 @@ def test_collapse_onto_the_global_area_starts_within_30_steps():
 
 
 def test_k_gamma0_at_one_makes_the_global_correlation_fall():
-    """Spec A9 / 5.6: K = 2, gamma0 = 0.5 (K (1 - gamma0) = 1), eta = 500, 20 steps: Phi_glob < 0 and the
+    """K = 2, gamma0 = 0.5 (K (1 - gamma0) = 1), eta = 500, 20 steps: Phi_glob < 0 and the
     attention to the global area below its init. Measured: phi_global_own -0.27, attention 0.25 -> 0.20
-    (spec 5.6: -0.29, 0.249 -> 0.196)."""
+    (our numpy check: -0.29, 0.249 -> 0.196)."""
     dm = GlobalLocalPatchDataModule(P=256, K=2, kappa_c=0.875, kappa_s=0.5, d=320, batch_size=32)
     with pytest.warns(UserWarning, match=r"K \(1 - gamma0\) = 1.00"):
         model = ViTCL(gamma0=0.5, lr=500.0).attach(dm)
@@ -193,7 +193,7 @@ def test_no_warning_when_k_gamma0_is_large():
 
 @pytest.mark.slow
 def test_headline_cl_collapses_for_either_sign_of_delta():
-    """T7 (spec 5.5: p256_pos / p256_neg, K = 8, gamma0 = 0.5, d = 512, B = 32, eta = 5000, 100 steps; ~15 s a
+    """Thm 4.4 (p256_pos / p256_neg, K = 8, gamma0 = 0.5, d = 512, B = 32, eta = 5000, 100 steps; ~15 s a
     run on one thread). Measured on a held-out batch of 64, every 25 steps: Delta = +0.25: attention of local
     queries to the global area 0.25, 0.54, 0.61, 0.60, 0.61; own local 0.031 -> 0.016; Phi_glob 1.52.
     Delta = -0.25: 0.063, 0.071, 0.083, 0.107, 0.181 (rising; 0.78 by step 200); own local 0.031 -> 0.028;

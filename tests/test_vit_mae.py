@@ -1,6 +1,6 @@
-"""The seed-002 MAE module (spec 002 sections 3.1, 4.1-4.2, 5.4-5.5): the closed-form loss (T1), the exact
-gradient against autograd on both paths (T2), the paths' identical SGD trajectories, basis invariance (T3),
-the support of Q (T4), the init values and gradient signs (T5), the headline at P = 256 (T6), the logged
+"""The MAE ViT of Huang et al. 2025 (Def. 2.4, 2.5, Lemma D.8, Thm 4.1/4.2): the closed-form loss, the exact
+gradient against autograd on both paths, the paths' identical SGD trajectories, basis invariance, the support
+of Q, the init values and gradient signs, the headline at P = 256, the attention diversity, the logged
 figures and refusals."""
 import doctest
 import math
@@ -45,7 +45,7 @@ def _pair(gamma=0.6, masked_keys="include", **data):
 
 
 def _reference_loss(model, batch):
-    """The loss written from the definition (spec 3.1, 4.1), float64, with the op's plain reference."""
+    """The loss written from the definition (Def. 2.4, eq. 2.8), float64, with the op's plain reference."""
     x = theory.patch_vectors(batch["feat_id"], batch["z"], model.V)
     mx = x * (~batch["mask"]).unsqueeze(-1)
     out, _ = masked_attention_reference(model.E @ model.Q_matrix(), mx + model.E, mx, query_index=batch["masked_idx"])
@@ -75,7 +75,7 @@ def _reference_per_query(model, batch):
 
 
 def test_closed_form_loss_equals_the_direct_loss():
-    """T1: Lemma D.8 in area coordinates = the d-dimensional reconstruction loss (both written here from
+    """Lemma D.8 in area coordinates = the d-dimensional reconstruction loss (both written here from
     the definitions), and both paths' losses equal them."""
     s, d, batch = _pair()
     ref = _reference_loss(s, batch)
@@ -93,7 +93,7 @@ def test_closed_form_loss_equals_the_direct_loss():
 
 @pytest.mark.parametrize("masked_keys", ["include", "exclude"])
 def test_exact_gradient_equals_autograd_on_both_paths(masked_keys):
-    """T2: autograd on the dense Q (projected on Phi, Upsilon) = autograd on the structured path = spec 4.2."""
+    """Autograd on the dense Q (projected on Phi, Upsilon) = autograd on the structured path = Lemmas D.1, D.3, D.4."""
     s, d, batch = _pair(masked_keys=masked_keys)
     g_phi, g_ups = torch.autograd.grad(s.batch_loss(batch)[0], (s.phi, s.upsilon))
     (g_q,) = torch.autograd.grad(d.batch_loss(batch)[0], (d.Q,))
@@ -152,7 +152,7 @@ def test_dense_and_structured_paths_follow_the_same_trajectory():
 
 
 def test_canonical_and_haar_bases_give_the_same_correlations():
-    """T3: zero-init GD is equivariant under Q -> R Q R^T: Phi, Upsilon and the losses agree."""
+    """Zero-init GD is equivariant under Q -> R Q R^T: Phi, Upsilon and the losses agree."""
     runs = {}
     for basis in ("canonical", "haar"):
         dm = _dm(basis=basis)
@@ -166,7 +166,7 @@ def test_canonical_and_haar_bases_give_the_same_correlations():
 
 
 def test_q_changes_only_in_its_positional_rows():
-    """T4: after training, Q (canonical basis) is nonzero only in rows 0..P-1, columns 0..P+KN-1."""
+    """After training, Q (canonical basis) is nonzero only in rows 0..P-1, columns 0..P+KN-1."""
     dm = _dm()
     model = ViTMAE(gamma=0.6, lr=40.0, path="dense", backend="torch").attach(dm)
     _sgd(model, dm, 5)
@@ -191,9 +191,9 @@ def _pooled_mean_sem(values, where):
 
 
 @pytest.mark.parametrize("seed", [2, 4])
-def test_init_values_match_spec_5_4(seed):
-    """T5: at Q = 0 attention is uniform, so per batch ``A_{p,m} = |U cap P_m| / P`` exactly (and attention
-    to masked keys = gamma); over the batch's queries E[attn_own] = the init values of spec 5.4 and the loss
+def test_init_values_match_uniform_attention(seed):
+    """At Q = 0 attention is uniform, so per batch ``A_{p,m} = |U cap P_m| / P`` exactly (and attention
+    to masked keys = gamma); over the batch's queries E[attn_own] = :func:`theory.init_values` and the loss
     theory.init_loss, within 4 sigma."""
     dm = GlobalLocalPatchDataModule(P=256, K=4, kappa_c=0.875, kappa_s=0.5, batch_size=64, seed=seed)
     model = ViTMAE(gamma=0.75).attach(dm)
@@ -215,21 +215,21 @@ def test_init_values_match_spec_5_4(seed):
         mean, sem = _pooled_mean_sem(values, where)
         if name.startswith("attn"):
             assert abs(mean - want[name]) <= 4 * sem + 1e-9, (name, mean, want[name], sem)
-        else:  # the exact expectation at Q = 0 (theory.init_loss); spec 4.1 gives about 0.50 / 0.38
+        else:  # the exact expectation at Q = 0 (theory.init_loss), about 0.50 / 0.38
             exact = theory.init_loss(256, 128, 16, 8, 192, model.z_moments[1])[name]
             assert abs(mean - exact) <= 4 * sem, (name, mean, exact, sem)
             C = 16 if name == "loss_local" else 128
             assert exact == pytest.approx(0.5 * 1.0033 * (1 - C / 1024) ** 2, rel=0.03)
     assert float(met["loss_ratio_init"]) == pytest.approx(1.0, abs=0.05)
-    # spec 5.4's (1 - gamma) C / P counts the query's own patch among the unmasked ones: 16/1024 and 128/1024
-    spec = theory.init_values(256, 128, 16, 192)
-    assert spec["attn_own_local"] == pytest.approx(16 / 1024) and spec["attn_own_global"] == pytest.approx(128 / 1024)
-    assert want["attn_own_local"] == pytest.approx(spec["attn_own_local"], rel=0.07)
+    # the rough (1 - gamma) C / P counts the query's own patch among the unmasked ones: 16/1024 and 128/1024
+    rough = theory.init_values(256, 128, 16, 192)
+    assert rough["attn_own_local"] == pytest.approx(16 / 1024) and rough["attn_own_global"] == pytest.approx(128 / 1024)
+    assert want["attn_own_local"] == pytest.approx(rough["attn_own_local"], rel=0.07)
 
 
 def _init_alpha(P, kappa_c, kappa_s, batch_size=64, gamma=0.75):
     """Sums over the masked local queries of alpha_own and alpha_glob, and over the global ones of alpha_own,
-    at Q = 0, from spec 4.2's exact formula (checked against autograd above) with ``A_m = |U cap P_m| / P``
+    at Q = 0, from the exact formula of Lemmas D.1, D.3 (checked against autograd above) with ``A_m = |U cap P_m| / P``
     (uniform attention): no (B, Pq, P) tensor, so P = 4096 is cheap."""
     dm = GlobalLocalPatchDataModule(P=P, K=1, kappa_c=kappa_c, kappa_s=kappa_s, batch_size=batch_size)
     dm.use_mae_masks(gamma)
@@ -264,7 +264,7 @@ def test_initial_gradient_of_the_formula_is_autograds():
 
 @pytest.mark.parametrize("kappa_c,delta", [(0.75, 0.25), (0.5, -0.25)])
 def test_initial_gradient_signs_and_ratio_scale_like_p_to_the_delta(kappa_c, delta):
-    """T5: alpha_own > 0 > alpha_glob for local patches, alpha_own > 0 for global ones, and
+    """Huang et al. 2025, Sec. 4: alpha_own > 0 > alpha_glob for local patches, alpha_own > 0 for global ones, and
     |alpha_glob / alpha_own| ~ P^Delta. kappa_s = 1/4 and P = 256, 4096 keep the sizes exact powers
     (C_s = 4, 8; C_1 = 64, 512 or 16, 64). Measured slopes: +0.22 (Delta = +1/4), -0.30 (Delta = -1/4; the
     next term, -z_1 z_n^2 A_n A_1, scales like P^{kappa_c + kappa_s - 2} and steepens it)."""
@@ -279,7 +279,7 @@ def test_initial_gradient_signs_and_ratio_scale_like_p_to_the_delta(kappa_c, del
 
 
 def test_first_step_moves_local_own_correlation_by_the_eta_rule():
-    """Spec 4.4: with eta = eta_mae the first step moves a local patch's own-area correlation by ~0.02,
+    """With eta = eta_mae (our rule) the first step moves a local patch's own-area correlation by ~0.02,
     since alpha_own^(0) ~ (gamma / K) E[z^3] (1 - gamma) C_s / P per entry."""
     dm = GlobalLocalPatchDataModule(P=256, K=2, kappa_c=0.875, kappa_s=0.5, batch_size=256)
     model = ViTMAE(gamma=0.75).attach(dm)
@@ -303,10 +303,10 @@ def _fit(model, dm, steps):
 
 
 def test_headline_mae_learns_every_area_and_dips_only_for_positive_delta():
-    """T6 (spec 5.5; structured path, K = 2, gamma = 0.75, eta = 3, B = 32, 300 steps, seed 0), ~4 s a run.
+    """Thm 4.1/4.2 (structured path, K = 2, gamma = 0.75, eta = 3, B = 32, 300 steps, seed 0), ~4 s a run.
     Measured: Delta = +0.25: own-area attention 0.958 (local, where visible) / 0.955 (global), local queries'
     attention to the global area 0.002, min phi_local_to_global -1.00 (still falling slowly at step 300: a
-    plateau near -(Delta / 2L) ln P = -0.77, no recovery); Delta = -0.25: 0.957 / 0.955, min -0.26 (spec 5.6:
+    plateau near -(Delta / 2L) ln P = -0.77, no recovery); Delta = -0.25: 0.957 / 0.955, min -0.26 (our numpy check:
     -0.97 / -0.24). Local loss per masked patch on the last batch: 0.0035 / 0.0092 against the floor 0.0057."""
     out = {}
     for name, kappa_c in (("pos", 0.875), ("neg", 0.625)):
@@ -392,7 +392,7 @@ def test_dense_path_through_the_triton_kernel_matches_the_structured_path():
 
 
 def test_upsilon_summaries_are_per_cluster():
-    """Spec 5.1: |Upsilon| over each cluster's same-area pairs (averaged over clusters), against pair loops;
+    """|Upsilon| over each cluster's same-area pairs (averaged over clusters), against pair loops;
     an Upsilon that lives on cluster 0's areas only separates same-area (cluster 0: 1) from the rest (0)."""
     model = ViTMAE(gamma=0.6).attach(_dm())
     part = model.partition.tolist()
@@ -442,7 +442,8 @@ def test_exclude_floor_bounds_the_loss_of_fully_masked_areas():
 
 
 def _diversity_loops(attn, coords, n, drop=None):
-    """Spec 6.1 written with loops: top-n keys by descending weight, coordinates concatenated, mean distance."""
+    """App. B's diversity written with loops: top-n keys by descending weight, coordinates concatenated, mean
+    distance."""
     P = attn.shape[0]
     c = []
     for p in range(P):
@@ -453,8 +454,8 @@ def _diversity_loops(attn, coords, n, drop=None):
 
 
 def test_attention_diversity_against_its_definition():
-    """T8 on synthetic maps: 0 when every query attends to the same top-n; a local map (each query near
-    itself) against the loop definition, with and without dropped keys."""
+    """The attention diversity on synthetic maps: 0 when every query attends to the same top-n; a local map (each query
+    near itself) against the loop definition, with and without dropped keys."""
     side, P, n = 5, 25, 3
     coords = torch.stack([torch.arange(P) // side, torch.arange(P) % side], 1)
     gen = torch.Generator().manual_seed(8)
@@ -472,7 +473,7 @@ def test_attention_diversity_against_its_definition():
 
 
 def test_mae_attention_is_more_diverse_than_cl_on_the_grid():
-    """T8: on the grid layout (P = 64, 2 x 2 local tiles), MAE's learnt attention follows the query's own
+    """On the grid layout (P = 64, 2 x 2 local tiles), MAE's learnt attention follows the query's own
     tile while CL's collapses onto the shared global block: MAE's diversity is several times CL's."""
     from featlearn.lightning_modules.vit_cl import ViTCL
 

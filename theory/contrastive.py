@@ -1,10 +1,10 @@
-"""Feature-learning quantities of contrastive learning on sparse coding (Wen & Li 2021; spec 001 section 5).
+"""Feature-learning quantities of contrastive learning on sparse coding (Wen & Li 2021, Sec. 3, App. B-E).
 
 From the weights ``W [m, d1]``, biases ``b [m]`` and the dictionary ``M [d1, d]``: the atom coefficients
 ``alpha_ij = <w_i, M_j>``, the sparse-energy fraction ``rho_i = ||M^T w_i||^2 / ||w_i||^2``, the active sets
 ``N_i`` (:func:`active_threshold`), singleton neurons (``|N_i| = 1``) and the atoms they cover; and the
-downstream view of a representation ``f`` (spec 1.6, 5.4): linear probes of ``y = <w*, z>`` on ``f(x)`` vs raw
-``x``, and how close ``f(x)`` is to ``f(Mz)`` (the sparse signal) and to ``f(xi)`` (the noise).
+downstream view of a representation ``f`` (Wen & Li 2021, Def. 3.1, Cor. 3.3 and 3.5): linear probes of ``y = <w*, z>``
+on ``f(x)`` vs raw ``x``, and how close ``f(x)`` is to ``f(Mz)`` (the sparse signal) and to ``f(xi)`` (the noise).
 Everything stays a tensor on the weights' device; callers move what they log to the host once.
 
 Example:
@@ -31,7 +31,7 @@ EVAL_KEYS = ("x", "xi", "y_reg", "y_cls")
 
 def grown_bias(bias: torch.Tensor, norm: torch.Tensor, prev_norm: torch.Tensor, min_rate: float,
                cap_ratio: float) -> torch.Tensor:
-    """One step of the bias schedule after its reset (spec 3.3): ``b_i`` grows by
+    """One step of the bias schedule after its reset (Wen & Li 2021, App. D.2, with our cap): ``b_i`` grows by
     ``max(min_rate, ||w_i^{t+1}|| / ||w_i^t|| - 1)``, up to ``cap_ratio ||w_i||``; a bias at the cap follows it.
 
     Example:
@@ -47,10 +47,10 @@ def active_threshold(bias: torch.Tensor, norm: torch.Tensor, d: int) -> torch.Te
     """Per-neuron threshold of the active sets ``N_i = {j : |alpha_ij| >= max(b_i, sqrt(2 log d/d) ||w_i||)}``.
 
     One definition for every bias mode, so singleton counts compare across settings: an atom must both
-    pass the bias (the neuron fires on it alone, spec 5.1) and stand out of the ``sqrt(2 log d / d)``
+    pass the bias (the neuron fires on it alone) and stand out of the ``sqrt(2 log d / d)``
     level that the largest of ``d`` random coefficients reaches. The schedule's reset puts ``b`` exactly
     at that level (beta0 = 1), so after T1 the bias decides; for ``b <= 0`` (linear control, a learned
-    bias gone negative) the norm level does, which is the spec's ``b = 0`` rule.
+    bias gone negative) the norm level does, the level of Wen & Li 2021, Thm C.1.
 
     Example:
         >>> active_threshold(torch.tensor([0.0, 1.0]), torch.tensor([2.0, 2.0]), 32).tolist()  # doctest: +ELLIPSIS
@@ -61,7 +61,8 @@ def active_threshold(bias: torch.Tensor, norm: torch.Tensor, d: int) -> torch.Te
 
 @torch.no_grad()
 def feature_metrics(w: torch.Tensor, bias: torch.Tensor, M: torch.Tensor, temperature: float) -> dict:
-    """Spec 5.1 quantities from weights ``[m, d1]``, biases ``[m]`` and dictionary ``[d1, d]``, as tensors.
+    """The quantities of Wen & Li 2021, Thm 3.4 and App. B-E, from weights ``[m, d1]``, biases ``[m]`` and dictionary
+    ``[d1, d]``, as tensors.
 
     ``alpha [m, d]``, ``norm [m]``, ``sparse_frac [m]`` (rho_i), ``top_align [m]``, ``active [m, d]`` (the
     sets N_i), ``N_size [m]``, ``singleton [m]``, ``covered [d]`` (atoms in the set of a singleton),
@@ -86,7 +87,7 @@ def feature_metrics(w: torch.Tensor, bias: torch.Tensor, M: torch.Tensor, temper
 
 
 def feature_scalars(fm: dict) -> dict[str, torch.Tensor]:
-    """The scalars of :func:`feature_metrics` that a run logs (spec 5.5), as 0-dim float tensors."""
+    """The scalars of :func:`feature_metrics` that a run logs, as 0-dim float tensors."""
     feat = fm["F_over_taulogd"]
     feat = feat[~feat.isnan()]
     return {

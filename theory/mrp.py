@@ -1,4 +1,4 @@
-"""Closed-form quantities of the mask-reconstruction pretraining theory (seed 000, spec sections 2.3 and 4.1).
+"""Closed-form quantities of the mask-reconstruction pretraining theory (Pan et al. 2023, Sec. 3.2, Thm 1).
 
 * :func:`teacher_scale`: the teacher's scale ``tau`` of teacher-student MRP;
 * :func:`lottery_factor` and :func:`capture_stats`: the lottery sets and captured features the theorems
@@ -14,8 +14,8 @@ import torch
 
 
 def teacher_scale(theta: float, C_p: int, c_tau: float, step: int, q: int) -> float:
-    """``tau = 1 + (1 - theta) / (C_p theta) + c_tau / (t^(1/q) + 1)`` at step ``t`` (spec 2.3; ``c_tau = 0``:
-    constant, spec A5)."""
+    """``tau = 1 + (1 - theta) / (C_p theta) + c_tau / (t^(1/q) + 1)`` at step ``t`` (Pan et al.
+    2023, Assumption C.2, which leaves ``c_tau`` open; ``c_tau = 0``: constant)."""
     return 1 + (1 - theta) / (C_p * theta) + c_tau / (step ** (1 / q) + 1)
 
 
@@ -27,7 +27,8 @@ def lottery_factor(k: int) -> float:
 
 def capture_stats(C: torch.Tensor, C0: torch.Tensor, feature_class: torch.Tensor, threshold: float,
                   lottery_factor: float) -> dict[str, torch.Tensor]:
-    """Theory metrics of spec 4.1 from correlations ``C = W V^T`` ``[R, F]`` and their initial values ``C0``.
+    """The quantities of Pan et al. 2023, Thm 1 and Lemma C.1, from correlations ``C = W V^T`` ``[R, F]`` and
+    their initial values ``C0``.
 
     * ``lambda/{min,median,max}``: ``Lambda_f = max_r [<w_r, v_f>]_+`` over the features;
     * ``frac_captured``: share of features with ``Lambda_f >= threshold``;

@@ -1,14 +1,16 @@
-"""Closed-form population theory of non-contrastive learning with a prediction head (Wen & Li 2022; spec 004).
+"""Closed-form population theory of non-contrastive learning with a prediction head (Wen & Li 2022).
 
 Everything here is a function of the weights ``W [..., m, d]``, the head ``E [..., m, m]`` and the data
 constants (features, alphas, probs, P, P0, noise std); nothing reads a DataModule or a LightningModule.
 
-* :func:`hypergeometric_moments`: the constants C0, C1, C2 and the optimum OPT of spec 1.2.
+* :func:`hypergeometric_moments`: the constants C0, C1, C2 of App. A and the optimum OPT of
+  Cor. E.3.
 * :func:`split_weights`: B = W V^T and the noise parts U = W - B V, the one place they are computed.
-* :func:`population_loss` (through :func:`population_terms`): the exact N = infinity loss of spec 5.6 for
-  Gaussian noise; autograd on it gives the population gradient.
-* :func:`representation_correlation`, :func:`substitution_ratio`: the theory's diagnostics (spec 5.1, 5.2).
-* :func:`feature_outcome` (DIV / COL / PAR), :class:`PhaseTracker` (the four phases of spec 5.2).
+* :func:`population_loss` (through :func:`population_terms`): the exact N = infinity loss (App. A.1) in
+  closed form for Gaussian noise; autograd on it gives the population gradient.
+* :func:`representation_correlation`, :func:`substitution_ratio`: the theory's diagnostics (Cor. 4.2 / 4.4,
+  Lemma 5.2).
+* :func:`feature_outcome` (DIV / COL / PAR), :class:`PhaseTracker` (the four phases of Sec. 5).
 * :func:`simulate_population`: batched population gradient descent (Algorithm 1 with N = infinity), the
   simulator of the headline table; ``NonContrastiveModule(gradient="population")`` runs the same steps.
 
@@ -31,7 +33,7 @@ HEADS = ("offdiag", "none", "full")
 
 
 def hypergeometric_moments(num_patches: int, num_feature_patches: int) -> dict[str, float]:
-    """Constants of spec 1.2 for a = |S cap view1| ~ Hypergeometric(P, P0, P/2).
+    """Constants of Wen & Li 2022, App. A, for a = |S cap view1| ~ Hypergeometric(P, P0, P/2).
 
     Returns ``E_a, V_a, C0 = E[a (P0 - a)], C1 = E[a^2], C2 = (P - P0) / 2`` (per-view noise patches;
     the C's here are *not* divided by the number of features) and ``OPT = 2 - 2 C0 / C1``.
@@ -80,7 +82,7 @@ def _feature_weights(alphas, probs, like: torch.Tensor) -> torch.Tensor:
 def population_terms(w: torch.Tensor, head: torch.Tensor, features: torch.Tensor, alphas, probs,
                      num_patches: int, num_feature_patches: int, noise_std: float,
                      w_target: torch.Tensor | None = None, stop_grad: bool = True) -> dict:
-    """Closed-form population moments (spec 5.6, Gaussian noise, C2' = (P - P0)/2).
+    """Closed-form population moments (Wen & Li 2022, App. A.1, for Gaussian noise, with C2' = (P - P0)/2).
 
     ``w [..., m, d]``, ``head [..., m, m]``, ``features [K, d]``. Returns ``EFG, U = E F^2, EG2`` (each
     ``[..., m]``), and ``B [..., m, K]``, ``a [..., m, m]`` (noise Gram of the online weights).
@@ -112,8 +114,8 @@ def population_terms(w: torch.Tensor, head: torch.Tensor, features: torch.Tensor
 
 def population_loss(w, head, features, alphas, probs, num_patches, num_feature_patches, noise_std,
                     w_target=None, stop_grad: bool = True) -> torch.Tensor:
-    """Population loss ``2 - (2/m) sum_j E[F_j G_j] / sqrt(E F_j^2 sg(E G_j^2))`` (spec 5.6), batched
-    over leading dims of ``w [..., m, d]``; autograd gives the exact population gradient."""
+    """Population loss ``2 - (2/m) sum_j E[F_j G_j] / sqrt(E F_j^2 sg(E G_j^2))`` (Wen & Li 2022, eq. A.1),
+    batched over leading dims of ``w [..., m, d]``; autograd gives the exact population gradient."""
     t = population_terms(w, head, features, alphas, probs, num_patches, num_feature_patches, noise_std,
                          w_target, stop_grad)
     eg2 = t["EG2"].detach() if stop_grad else t["EG2"]
@@ -122,7 +124,8 @@ def population_loss(w, head, features, alphas, probs, num_patches, num_feature_p
 
 def representation_correlation(w: torch.Tensor, features: torch.Tensor, alphas, probs, num_patches: int,
                                num_feature_patches: int, noise_std: float) -> torch.Tensor:
-    """Corr(f_i(X), f_j(X)) over un-augmented X (all P patches), closed form of spec 5.1:
+    """Corr(f_i(X), f_j(X)) over un-augmented X (all P patches; Wen & Li 2022, Cor. 4.2 / 4.4), in
+    closed form:
     Cov = P0^2 sum_l pi_l alpha_l^6 B_il^3 B_jl^3 + (P - P0) M_ij. Returns ``[..., m, m]``."""
     b, u = split_weights(w, features.to(w))
     b3 = b ** 3
@@ -168,9 +171,10 @@ OUTCOME_CODES = {"DIV": 0, "COL": 1, "PAR": 2}
 
 
 class PhaseTracker:
-    """Boundaries of the four phases of spec 5.2 for m = 2 (lead = the lucky neuron at t = 0).
+    """Boundaries of the four phases of Wen & Li 2022, Sec. 5 (Lemmas 5.1-5.3, Prop. 5.4) for m = 2 (lead = the lucky
+    neuron at t = 0).
 
-    * T1: first t with |cos(w_lead, v1)| >= ``t1_cos`` (0.5, [proposal]; appendix: B11 >= 0.01).
+    * T1: first t with |cos(w_lead, v1)| >= ``t1_cos`` (0.5, our choice; App. B: B11 >= 0.01).
     * T2 (end of substitution): first t >= T1 with substitution ratio >= log d, i.e. on v1-samples
       rms(E_lag,lead f_lead) >= log(d) rms(f_lag) (Lemma 5.2's "|E21 f1| >> |f2|" with the paper's log d
       margin) [proposal: the paper's R_lag < |E_lag,lead| / log d (with the E21 typo fixed) is also
@@ -245,8 +249,8 @@ def simulate_population(w0: torch.Tensor, features: torch.Tensor, alphas, probs,
                         num_feature_patches: int, noise_std: float, steps: int, lr: float = 0.05,
                         head_lr: float | None = None, head="offdiag", record_every: int = 100,
                         compile: bool = False, chunk: int = 10, progress: bool = False) -> dict:
-    """Population gradient descent (spec 5.6) on a batch of independent runs ``w0 [S, m, d]`` at once
-    (Algorithm 1 with N = infinity: W and E updated from the same point, diag(E) fixed at 1).
+    """Population gradient descent (the gradient of :func:`population_loss`) on a batch of independent runs
+    ``w0 [S, m, d]`` at once (Algorithm 1 with N = infinity: W and E updated from the same point, diag(E) fixed at 1).
 
     ``head`` is one of ``HEADS`` or a list with one entry per run (e.g. with and without head in one
     batch). ``compile=True`` runs ``chunk`` steps per ``torch.compile``d call (about 25x faster on CPU

@@ -1,5 +1,5 @@
-"""Closed forms of seed 003 chapter 2 (Shi, Wei & Liang, ICLR'22; spec 003a section 1): the F_Xi data
-family's constants, the three-stage schedule of Theorem A.20 (and its A.17 / A.28 variants), the
+"""Closed forms of Shi 2024, Ch. 2 (Shi, Wei & Liang 2022): the F_Xi data family's constants, the three-stage
+schedule of Theorem A.20 (and its Lemma A.17 / Theorem A.28 variants), the
 feature-recovery metric, the MDS picture of the neurons and the fixed-feature lower bound.
 
 Everything is a plain function of numbers or tensors; nothing reads a DataModule or a LightningModule.
@@ -54,7 +54,7 @@ def label_of_sum(labeling: str, k: int, low: int = 20, high: int = 30) -> list[i
 
 def component_tables(labeling: str, k: int, p_o: float = 0.5, structure: bool = True,
                      relevant_prob: float = 2 / 3) -> tuple[list[list[float]], list[float]]:
-    """``(P(c, S) [C][k + 1], background probability q_c [C])`` of the hidden vector (spec 1.1).
+    """``(P(c, S) [C][k + 1], background probability q_c [C])`` of the hidden vector (Shi 2024, Sec. 2.3 and App. A.7).
 
     * parity with structure: ``D_mix = p_o D^(0) + (1 - p_o) D^(1)``; ``D^(0)`` uniform (S ~ Bin(k, 1/2),
       q = 1/2), ``D^(1)``: ``phi_A`` all zeros or all ones, background ``Bern(p_o / (2 - 2 p_o))``;
@@ -124,7 +124,7 @@ def data_constants(labeling: str, k: int, num_patterns: int, p_o: float = 0.5, s
 def theory_schedule(k: int, m: int, gamma: float, sigma_tilde: float, steps: int, variant: str = "A20",
                     p_min: float = 0.5, lr1_mult: float = 1.0, smoothing_mult: float = 1.0, lr3_mult: float = 1.0,
                     reg3_mult: float = 1.0) -> dict[str, float]:
-    """The three stages of Theorem A.20 (spec 1.3) for ``2m`` neurons and ``steps`` = T steps in all.
+    """The three stages of Shi 2024, Theorem A.20 for ``2m`` neurons and ``steps`` = T steps in all.
 
     * step 1: ``lr1 = gamma^2 sigma~^2 / (k m^3)``, ``lambda_a = 0``, ``lambda_w = 1/(2 lr1)`` (w is erased
       and replaced by ``-lr1 grad_w L``), smoothing ``1/k^2``;
@@ -135,9 +135,9 @@ def theory_schedule(k: int, m: int, gamma: float, sigma_tilde: float, steps: int
     ``variant="A17"``: ``lr1 = gamma^2 sigma~ / (k m^3)`` and smoothing ``1/k^(3/2)`` (Lemma A.17);
     ``"A28"``: ``lr1 = gamma^2 p_min sigma~ / (k m^3)``, smoothing ``1/k^(3/2)`` (Theorem A.28);
     ``"plain"``: no feature-learning steps, every step is a stage-3 step (the "typical practice" training
-    of the mixture-of-Gaussians runs, A.7.3, where gamma = 0 leaves steps 1-2 undefined). The
+    of the mixture-of-Gaussians runs, App. A.7.3, where gamma = 0 leaves steps 1-2 undefined). The
     multipliers scale ``lr1``, the stage-1/2 smoothing, ``lr3`` and ``lambda`` (the experiments of the
-    paper do not print their values, spec 1.3).
+    paper do not print their values).
     """
     if variant == "plain":
         lr1, smooth = 0.0, 0.0
@@ -177,7 +177,7 @@ def cos_sim(w: torch.Tensor, direction: torch.Tensor) -> torch.Tensor:
 
 def centre_coverage(w: torch.Tensor, centres: torch.Tensor) -> torch.Tensor:
     """``[C]``: for each centre ``c`` (a row of ``centres [C, d]``), ``max_i cos(w_i, c)`` over the rows of
-    ``w [n, d]``; the mixture-of-Gaussians runs expect every centre to be covered by some neurons (A.7.3).
+    ``w [n, d]``; the mixture-of-Gaussians runs expect every centre to be covered by some neurons (App. A.7.3).
 
     Example:
         >>> centres = torch.tensor([[1.0, 1.0], [1.0, -1.0], [-1.0, 1.0], [-1.0, -1.0]])
@@ -196,7 +196,7 @@ def best_linear_classifier(h: torch.Tensor, y: torch.Tensor, ridge: float = 1e-8
     times the objective. A tiny ``ridge`` makes it the near-max-margin separator when one exists.
 
     Why not the network's own steps: the One / Two Step probes are "the best classifiers" on the frozen
-    hidden layer (A.7.1); plain gradient steps on these features are ill-conditioned (the parity's
+    hidden layer (App. A.7.1); plain gradient steps on these features are ill-conditioned (the parity's
     components sit in directions 1000x weaker than the threshold rule's) and stop far from the optimum.
 
     Example:

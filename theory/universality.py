@@ -1,5 +1,5 @@
-"""Closed forms of the universality / label-efficiency trade-off of contrastive learning (seed 003, chapter 7;
-spec 003b section 2).
+"""Closed forms of the universality / label-efficiency trade-off of contrastive learning (Shi 2024,
+Ch. 7 and App. F; Shi et al. 2023).
 
 The linear multi-task model: ``T`` tasks, shared features ``S`` (``s`` of them), private features ``P_t``
 (``r - s`` per task), spurious features ``U`` (``u``), ``k = s + T (r - s)``, ``d = k + u``, inputs ``x = M z``
@@ -10,7 +10,7 @@ reads a DataModule or a LightningModule.
 * :func:`layout`: the coordinates of each feature group.
 * :func:`project_spectral_frobenius`: the exact Euclidean projection onto the representation class (one SVD,
   the Frobenius multiplier found on the singular values only); :func:`project_bisection`: the same projection with
-  the multiplier found by bisection (the spec's pseudo-code), the tests' reference;
+  the multiplier found by plain bisection, the tests' reference;
   :func:`project_trust_region`: the exact projection onto that class intersected with the trust region
   ``||W - W*||_F <= gamma`` of contrastive regularisation (Dykstra's algorithm).
 * :func:`column_norms`, :func:`group_means`: ``c_j = ||(W M)_{:, j}||^2`` and their means per group.
@@ -121,7 +121,7 @@ def project_spectral_frobenius(W: torch.Tensor, radius2: float, spec: float = 1.
 
 
 def project_bisection(W: torch.Tensor, radius2: float, spec: float = 1.0, iters: int = 200) -> torch.Tensor:
-    """The same projection with the Frobenius multiplier found by bisection (spec 2.2's pseudo-code, float64):
+    """The same projection with the Frobenius multiplier found by plain bisection (float64):
     an independent reference of :func:`project_spectral_frobenius`'s exact search, for the tests.
 
     Example:

@@ -1,17 +1,19 @@
-"""Closed forms of the one-layer softmax ViT theory: MAE vs contrastive learning (seed 002).
+"""Closed forms of the one-layer softmax ViT theory: MAE vs contrastive learning (Huang et al. 2025).
 
 Everything here is a plain function of numbers or tensors; nothing reads a DataModule or a LightningModule.
 
-* :func:`area_sizes`: the global / local area sizes from the exponents (spec 1.6) and the effective
+* :func:`area_sizes`: the global / local area sizes from the exponents (our rounding of the
+  paper's ``Theta(P^kappa)``) and the effective
   exponents and information gap ``Delta = (1 - kappa_s) - 2 (1 - kappa_c)``.
-* :func:`init_values`: attention at ``Q = 0`` (spec 5.4).
+* :func:`init_values`: attention at ``Q = 0``.
 * :func:`prob_fully_masked`, :func:`loss_floor`: the reported MAE floor ``1/2 E[z^2] P(area fully masked |
-  p masked)`` (spec 4.1, decision A6), per masked patch.
+  p masked)``, per masked patch (our floor: the paper's ``L^low`` assumes no attention on masked keys).
 * :func:`area_loss`: the closed-form MAE loss of Lemma D.8 from the unmasked area attention ``A_{p,m}``.
-* :func:`mae_gradient_projections`: the exact correlation gradients of spec 4.2 (``alpha``, ``beta``).
+* :func:`mae_gradient_projections`: the exact correlation gradients of Lemmas D.1, D.3, D.4
+  (``alpha``, ``beta``).
 * :func:`cl_gradient_rows`: the exact CL gradient of Lemma J.2 on the query rows ``W = E Q``.
-* :func:`eta_mae`: the learning-rate proposal of spec 4.4; :func:`cl_loss_floor`: the cluster-only
-  optimum of the in-batch InfoNCE loss (the ``OPT = Theta(log(N_c/K))`` of spec 4.3).
+* :func:`eta_mae`: our learning-rate rule (the paper only asks ``eta << poly(P)``); :func:`cl_loss_floor`: the
+  cluster-only optimum of the in-batch InfoNCE loss (the ``OPT = Theta(log(N_c/K))`` of Sec. 4).
 
 Example:
     >>> s = area_sizes(256, kappa_c=0.875, kappa_s=0.5)
@@ -46,7 +48,7 @@ def information_gap(kappa_c: float, kappa_s: float) -> float:
 
 def area_sizes(P: int, kappa_c: float | None = None, kappa_s: float | None = None, C_1: int | None = None,
                C_s: int | None = None, c_c: float = 1.0, c_s: float = 1.0, prefix: str = "data") -> dict:
-    """Global and local area sizes of one cluster by the spec 1.6 rule.
+    """Global and local area sizes of one cluster (Huang et al. 2025, Def. 2.1, with our rounding).
 
     ``C_1 = round(c_c P^kappa_c)`` and ``C_s = round(c_s P^kappa_s)`` (or the explicit ``C_1`` / ``C_s``),
     ``N - 1 = floor((P - C_1) / C_s)`` local areas, and the ``P - C_1 - (N-1) C_s`` leftover patches join
@@ -97,7 +99,8 @@ def area_sizes(P: int, kappa_c: float | None = None, kappa_s: float | None = Non
 
 
 def embedding_dim(P: int, n_features: int, multiple: int = 64) -> int:
-    """The default ``d = roundup(P + sum_k N_k, multiple)`` (spec 1.1): positions, features, spare noise room.
+    """The default ``d = roundup(P + sum_k N_k, multiple)`` (Assumption 2.3: positions and features
+    orthonormal): positions, features, spare noise room.
 
     Example:
         >>> embedding_dim(256, 4 * 9)
@@ -107,7 +110,8 @@ def embedding_dim(P: int, n_features: int, multiple: int = 64) -> int:
 
 
 def masked_count(P: int, ratio: float) -> int:
-    """Exactly ``round(ratio P)`` masked patches (spec A11), halves rounded up.
+    """Exactly ``round(ratio P)`` masked patches (Def. 2.5 draws without replacement; the proofs use
+    ``|U| = (1 - gamma) P``), halves rounded up.
 
     Example:
         >>> masked_count(256, 0.75), masked_count(10, 0.25)
@@ -129,7 +133,7 @@ def z_moments(law: str, low: float, high: float) -> tuple[float, float, float]:
 
 
 def init_values(P: int, C_1: int, C_s: int, n_masked: int, masked_query: bool = False) -> dict[str, float]:
-    """Expected attention at ``Q = 0`` (every ``attn_{p->q} = 1/P``, spec 5.4) with ``n_masked`` masked patches.
+    """Expected attention at ``Q = 0`` (every ``attn_{p->q} = 1/P``) with ``n_masked`` masked patches.
 
     Over a query at any position (CL: every position queries): ``attn_own_local = (1 - gamma) C_s / P``,
     ``attn_own_global = (1 - gamma) C_1 / P``, the local queries' ``attn_glob_from_local = (1 - gamma) C_1 / P``
@@ -157,7 +161,7 @@ def prob_fully_masked(P: int, C: int, n_masked: int, given_masked: bool = True) 
     (``= P(all) / gamma``), the probability per masked patch.
 
     Example:
-        >>> round(prob_fully_masked(256, 16, 192, given_masked=False), 5)   # spec 2.1: about 8.5e-3
+        >>> round(prob_fully_masked(256, 16, 192, given_masked=False), 5)   # Lemma D.7's bound: gamma^16 = 0.01
         0.00851
     """
     if n_masked < C:
@@ -173,7 +177,7 @@ def _log_comb(n: int, k: int) -> float:
 
 def loss_floor(P: int, C_1: int, C_s: int, n_local: int, n_masked: int, Ez2: float,
                z_min: float | None = None) -> dict[str, float]:
-    """The reported MAE floor per masked patch (spec 4.1, A6): ``1/2 E[z^2] P(area fully masked | p masked)``.
+    """The reported MAE floor per masked patch (ours): ``1/2 E[z^2] P(area fully masked | p masked)``.
 
     A masked patch whose whole area is masked cannot be reconstructed: its best output is 0 (all attention
     on masked keys), error ``1/2 z^2``. With the masked keys out of the softmax (``z_min``, the smallest
@@ -183,7 +187,7 @@ def loss_floor(P: int, C_1: int, C_s: int, n_local: int, n_masked: int, Ez2: flo
     of each kind) and ``floor`` (averaged over all masked patches: areas weighted by their sizes).
 
     Example:
-        >>> round(loss_floor(256, 128, 16, 8, 192, 1.0)["floor_local"], 4)   # spec 4.1: about 0.006
+        >>> round(loss_floor(256, 128, 16, 8, 192, 1.0)["floor_local"], 4)
         0.0057
         >>> round(loss_floor(256, 128, 16, 8, 192, 1.0, z_min=1.0)["floor_local"], 4)   # x (1 + 1/8)
         0.0064
@@ -232,7 +236,7 @@ def area_loss(A: torch.Tensor, z_area: torch.Tensor, own: torch.Tensor) -> torch
 def mae_gradient_projections(attn: torch.Tensor, query_pos: torch.Tensor, area: torch.Tensor,
                              unmasked: torch.Tensor, z_area: torch.Tensor, cluster: torch.Tensor,
                              n_clusters: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The exact descent directions of spec 4.2 on one batch (Lemmas D.1, D.3, D.4), batch means:
+    """The exact descent directions on one batch (Huang et al. 2025, Lemmas D.1, D.3, D.4), batch means:
     ``alpha = -dL/dPhi`` ``[P, K N]`` (column ``k N + m`` is ``v_{k,m}``) and ``beta = -dL/dUpsilon`` ``[P, P]``.
 
     ``attn [B, Pq, P]`` the masked queries' attention, ``query_pos [B, Pq]`` their positions, ``area [B, P]``
@@ -291,12 +295,12 @@ def cl_gradient_rows(rows: torch.Tensor, x_anchor: torch.Tensor, g: torch.Tensor
 
 
 def eta_mae(P: int, K: int, C_s: int, gamma: float, Ez3: float = 1.0, first_step: float = 0.02) -> float:
-    """Spec 4.4's MAE learning rate: the first step moves a local patch's own-area correlation by about
-    ``first_step``. At init ``alpha_own ~ (gamma / K) E[z^3] (1 - gamma) C_s / P``, so
+    """Our MAE learning rate (the paper asks only ``eta << poly(P)``): the first step moves a local patch's own-area
+    correlation by about ``first_step``. At init ``alpha_own ~ (gamma / K) E[z^3] (1 - gamma) C_s / P``, so
     ``eta = first_step K P / (gamma (1 - gamma) C_s E[z^3])`` (``0.02 K P^{1 - kappa_s} / (gamma (1 - gamma))``).
 
     Example:
-        >>> round(eta_mae(256, 2, 16, 0.75), 2)     # spec 4.4: eta = 3 at P = 256, K = 2
+        >>> round(eta_mae(256, 2, 16, 0.75), 2)     # eta ~ 3 at P = 256, K = 2
         3.41
     """
     return first_step * K * P / (gamma * (1.0 - gamma) * C_s * Ez3)
@@ -305,9 +309,9 @@ def eta_mae(P: int, K: int, C_s: int, gamma: float, Ez3: float = 1.0, first_step
 def cl_loss_floor(n_neg: int, K: int, tau: float) -> float:
     """``tau E[log(1 + n)]``, ``n ~ Binomial(n_neg, 1/K)`` same-cluster negatives: the in-batch InfoNCE loss
     of a representation that tells clusters apart perfectly and samples of one cluster not at all (the
-    positive ties with the same-cluster negatives, the others get weight 0). Spec 4.3's
-    ``OPT = Theta(log(N_c / K))``; a reference level, not a strict bound (the views are masked, the
-    negatives are not).
+    positive ties with the same-cluster negatives, the others get weight 0). The
+    ``OPT = Theta(log(N_c / K))`` of Huang et al. 2025, Sec. 4; a reference level, not a strict bound (the views are
+    masked, the negatives are not).
 
     Example:
         >>> round(cl_loss_floor(31, 8, 1.0), 3)
@@ -324,12 +328,13 @@ def cl_loss_floor(n_neg: int, K: int, tau: float) -> float:
 
 def attention_diversity(attn: torch.Tensor, coords: torch.Tensor, top_n: int = 10,
                         drop_keys: torch.Tensor | None = None) -> torch.Tensor:
-    """The attention diversity of App. B (spec 6.1, A16) of attention maps ``attn [..., P, P]`` (queries x
+    """The attention diversity of Huang et al. 2025, App. B, of attention maps ``attn [..., P, P]`` (queries x
     keys) on a grid with coordinates ``coords [P, 2]``: every query's ``top_n`` keys by descending weight,
     their coordinates concatenated into ``c_p`` (``2 top_n`` numbers), then the mean Euclidean distance
     ``1/P^2 sum_{p, p'} ||c_p - c_p'||`` over all query pairs: ``[...]``. 0 when every query attends to the
     same top-n keys in the same order (global attention); large when each query attends near itself.
-    ``drop_keys [..., P]`` (e.g. masked keys) are left out of the top-n.
+    ``drop_keys [..., P]`` (e.g. masked keys) are left out of the top-n. The distance and the key order are our
+    reading: the paper does not state them.
 
     Example:
         >>> coords = torch.tensor([[0, 0], [0, 1], [1, 0], [1, 1]])
@@ -350,7 +355,7 @@ def init_loss(P: int, C_1: int, C_s: int, n_local: int, n_masked: int, Ez2: floa
     exactly: Lemma D.8 with, given the query p masked, ``|U cap P_m|`` hypergeometric (the ``P - n_masked``
     unmasked positions among the other ``P - 1``; ``C_a - 1`` of them in p's own area). ``loss_local``,
     ``loss_global`` and ``loss`` (over all masked patches); the denominator of the ``loss_ratio_init``
-    metric (spec 5.1). Spec 4.1's ``1/2 E[z^2] (1 - (1 - gamma) C_a / P)^2`` leaves out the spread and the
+    metric. The approximation ``1/2 E[z^2] (1 - (1 - gamma) C_a / P)^2`` leaves out the spread and the
     other areas.
 
     Example:

@@ -228,6 +228,9 @@ def _glibc():
 _LIBC = _glibc()
 
 
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
+
+
 def _reset_rss_peak() -> int | None:
     """Reset the kernel's peak-RSS counter (Linux >= 4.0) and return the current RSS (None: unsupported)."""
     _LIBC.malloc_trim(0)  # what an earlier call freed on the heap is no longer resident
@@ -240,6 +243,44 @@ def _reset_rss_peak() -> int | None:
 
 def _rss_peak() -> int | None:
     return _proc_status_kib("VmHWM")
+
+
+class ResidentGrowth:
+    """The peak growth of the process's resident memory between :meth:`start` and :meth:`stop` (bytes; None
+    without glibc or ``/proc``), measured the one way this harness does it.
+
+    glibc serves large blocks by mmap and returns them on free, but raises its mmap threshold (up to
+    32 MB) after the first such free; from then on tensors come from the heap and stay resident when
+    freed, so a repeated call would show no growth. A fixed 64 KB threshold makes RSS follow live tensors,
+    at the price of a page fault per allocation: measure in a pass of its own, never while timing.
+    ``restore`` puts glibc back to its steady state (32 MB mmap, 64 MB trim thresholds) at :meth:`stop`,
+    so that later timings run under the policy earlier ones had.
+
+    Example:
+        >>> growth = ResidentGrowth()
+        >>> growth.start(); block = bytearray(64 << 20); grown = growth.stop()
+        >>> grown is None or grown >= 32 << 20
+        True
+    """
+
+    available = _LIBC is not None
+
+    def __init__(self, restore: bool = True):
+        self.restore, self.base = restore, None
+
+    def start(self) -> None:
+        if self.available:
+            _LIBC.mallopt(_M_MMAP_THRESHOLD, 1 << 16)
+            self.base = _reset_rss_peak()
+
+    def stop(self) -> int | None:
+        if not self.available:
+            return None
+        peak = _rss_peak()
+        if self.restore:
+            _LIBC.mallopt(_M_MMAP_THRESHOLD, 32 << 20)
+            _LIBC.mallopt(_M_TRIM_THRESHOLD, 64 << 20)
+        return None if self.base is None or peak is None else max(0, peak - self.base)
 
 
 def measure(result: Result, fn: Callable[[], object], device: torch.device) -> None:
@@ -272,19 +313,14 @@ def interleave(case: Case, results: list[Result], device: torch.device, rounds: 
 
 
 def measure_cpu_peaks(cases: list[Case], results: list[Result], seed: int) -> None:
-    """Peak resident-set growth of one call of each passed variant, measured after all timing.
-
-    glibc serves large blocks by mmap and returns them on free, but raises its mmap threshold (up to
-    32 MB) after the first such free; from then on tensors come from the heap and stay resident when
-    freed, so a repeated call would show no growth. Fixing the threshold (every block over 64 KB on
-    mmap) makes RSS follow live tensors, at the price of a page fault per allocation: hence a pass of its
-    own, after the timed rounds. Without glibc or ``/proc`` the column reads n/a, and so it does for step
+    """Peak resident-set growth (:class:`ResidentGrowth`) of one call of each passed variant, in a pass of
+    its own after all timing. Without glibc or ``/proc`` the column reads n/a, and so it does for step
     cases (their ``run`` builds a module and its data, which is not a step's working memory)."""
-    if _LIBC is None:
+    if not ResidentGrowth.available:
         return
-    _LIBC.mallopt(-3, 1 << 16)  # -3 = M_MMAP_THRESHOLD; a fixed value also ends its dynamic growth
     passed = {(r.case, r.shape, r.variant): r for r in results if r.passed}
     cpu = torch.device("cpu")
+    growth = ResidentGrowth(restore=False)  # one fixed threshold for the whole pass
     for case in cases:
         if case.timer is not None:  # a step case's run() builds its module and data: not a step's memory
             continue
@@ -294,11 +330,11 @@ def measure_cpu_peaks(cases: list[Case], results: list[Result], seed: int) -> No
             if result is None:
                 continue
             variant.run(inputs)  # first-call caches (compiled graphs) are not the variant's working memory
-            base = _reset_rss_peak()
+            growth.start()
             variant.run(inputs)
-            peak = _rss_peak()
-            if base is not None and peak is not None:
-                result.peak_bytes = max(0, peak - base)
+            grown = growth.stop()
+            if grown is not None:
+                result.peak_bytes = grown
 
 
 def run_cases(cases: list[Case], device: torch.device, rounds: int, warmup: int, seed: int,

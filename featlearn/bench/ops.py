@@ -28,38 +28,41 @@ from featlearn.kernels import (Activation, smoothed_relu, bn_cosine_loss, bn_cos
                                infonce_stopgrad, patch_activation_sum, patch_activation_sum_reference,
                                soft_threshold_layer, soft_threshold_reference)
 from featlearn.kernels.masked_attention import masked_attention
+from featlearn.kernels.registry import OPS as REGISTRY
 from featlearn.kernels.smoothed_clamp import smoothed_clamp_layer, smoothed_clamp_reference
 
 SIZES = ("smoke", "tiny", "medium", "gpu")
 
-# patch_activation_sum: the teacher-student hot loop (spec 000 6.1): smoothed ReLU q=3 rho=0.25, masked
-# student, teacher at tau=1.5 (no grad), masked squares; keep-0.5 mask
+# patch_activation_sum: the teacher-student hot loop of MRP (medium: configs/mrp/teacher_student_medium.yaml): smoothed
+# ReLU q=3 rho=0.25, masked student, teacher at tau=1.5 (no grad), masked squares; keep-0.5 mask
 PATCH = {"smoke": dict(B=12, P=5, d=24, R=7), "tiny": dict(B=1000, P=16, d=256, R=30),
          "medium": dict(B=16384, P=32, d=1024, R=512), "gpu": dict(B=16384, P=32, d=1024, R=512)}
 Q, RHO, TAU = 3, 0.25, 1.5
-# soft_threshold (spec 001 1.4): B rows, d1 inputs, m neurons; gpu: the medium encoder's B = K + N = 5120 rows
+# soft_threshold (contrastive sizes d1 = 8d, m = 4d; medium: d = 256): B rows, d1 inputs, m neurons; gpu: the medium
+# encoder's B = K + N = 5120 rows
 SOFT = {"smoke": dict(B=16, d1=24, m=8), "tiny": dict(B=256, d1=256, m=128), "medium": dict(B=1024, d1=2048, m=1024),
         "gpu": dict(B=5120, d1=2048, m=1024)}
-# bn_cosine_loss (spec 004): N rows, m = 2 (the theory's width) and a wider m; gpu: spec 004's float64
+# bn_cosine_loss (non-contrastive): N rows, m = 2 (the theory's width) and a wider m; gpu: the float64
 # N = 8192, m = 2 (launch-bound whatever the size) and a float32 stream of 270 MB
 BN = {"smoke": [dict(N=64, m=2)], "tiny": [dict(N=4096, m=2), dict(N=4096, m=64)],
       "medium": [dict(N=4096, m=2), dict(N=4096, m=1024)],
       "gpu": [dict(N=8192, m=2, dtype=torch.float64), dict(N=65536, m=1024)]}
-# infonce_stopgrad (spec 001 1.4): K anchors, N shared negatives, m features; gpu: 4x the medium anchors
+# infonce_stopgrad (contrastive sizes; medium: d = 256): K anchors, N shared negatives, m features; gpu: 4x the medium
+# anchors
 INFONCE = {"smoke": dict(K=16, N=24, m=8), "tiny": dict(K=256, N=256, m=128), "medium": dict(K=1024, N=4096, m=1024),
            "gpu": dict(K=4096, N=4096, m=1024)}
-# masked_attention (spec 002 7.1, MAE dense path): B samples, P keys, Pq = gamma P masked queries (shared rows
-# gathered by index, gamma = 0.75), d = dv; medium ends at the spec's worked example
+# masked_attention (the ViT MAE's dense path): B samples, P keys, Pq = gamma P masked queries (shared rows
+# gathered by index, gamma = 0.75), d = dv; medium ends at configs/vit/mae_p1024_pos.yaml's size
 ATTN = {"smoke": [dict(B=2, P=24, Pq=18, d=40)], "tiny": [dict(B=8, P=256, Pq=192, d=320)],
         "medium": [dict(B=64, P=256, Pq=192, d=320), dict(B=64, P=1024, Pq=768, d=1152)],
         "gpu": [dict(B=64, P=1024, Pq=768, d=1152)]}
-# smoothed_clamp_layer (spec 003a 1.2-1.3): B samples, d inputs, M = 2m neurons, smoothing s = 1/k^2 (steps 1-2);
+# smoothed_clamp_layer (the two-layer network of Shi 2024, Ch. 2): B samples, d inputs, M = 2m neurons, smoothing s =
+# 1/k^2 (steps 1-2);
 # tiny = a minibatch step of Table A.1, medium = a full-batch step (n = 50,000) at Table A.3's d = 2000
 CLAMP = {"smoke": dict(B=16, d=24, M=10), "tiny": dict(B=1000, d=500, M=600), "medium": dict(B=50000, d=2000, M=600),
          "gpu": dict(B=50000, d=2000, M=600)}
 CLAMP_S = 0.04
-OPS = ("patch_activation_sum", "soft_threshold", "bn_cosine_loss", "infonce_stopgrad", "masked_attention",
-       "smoothed_clamp")
+OPS = tuple(op.bench for op in REGISTRY)  # featlearn/kernels/registry.py
 COMPILED_AT_GPU = ("patch_activation_sum", "soft_threshold", "masked_attention fwd+bwd")
 """The cases that keep a torch.compile variant at ``--size gpu`` (the compile budget, see the docstring)."""
 
@@ -277,7 +280,7 @@ def infonce_case(size: str, device: torch.device) -> Case:
 
 # ------------------------------------------------------------------------------------------------
 def _attn_eager_forward(rows, idx, keys, values):
-    """What a user writes (spec 7.1 item 8): gather the masked queries' rows, GEMM, softmax, GEMM."""
+    """What a user writes: gather the masked queries' rows, GEMM, softmax, GEMM."""
     return torch.softmax(rows[idx] @ keys.transpose(1, 2), dim=-1) @ values
 
 

@@ -1,19 +1,21 @@
 """The methods of ``featlearn bench step``: how featlearn builds each method at its main job's size, and the
-plain PyTorch loop written from the method's spec that its step is checked and timed against.
+plain PyTorch loop written from the method's definition (the paper's equations and the config's choices)
+that its step is checked and timed against.
 
 A :class:`Method` is one method's step: the DataModule and LightningModule featlearn runs (with the
 arguments of the main job's config), and the plain loop: :meth:`Method.state` copies the module's initial
-trained tensors and the constants the spec's step reads, ``_forward`` is the loss in ~10-20 lines (one GEMM
-per branch, the stop-gradient branch from the same product where the spec allows; this is what
+trained tensors and the constants the method's step reads, ``_forward`` is the loss in ~10-20 lines (one GEMM
+per branch, the stop-gradient branch from the same product where the method allows; this is what
 ``torch.compile`` compiles), and :meth:`Method.update` is SGD by hand plus the method's step-finishing work
 (a norm cap, a bias schedule, a head's frozen diagonal, a projection). The harness that checks and times
 them is :mod:`featlearn.bench.steps`.
 
-Where featlearn's step has a detail the spec leaves open, the plain loop follows featlearn (said in the
+Where featlearn's step has a detail the paper leaves open, the plain loop follows featlearn (said in the
 method's docstring): the float64 check compares weights after one step to 1e-10.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -26,6 +28,7 @@ from featlearn.datamodules.multiview import MultiViewDataModule
 from featlearn.datamodules.sparse_coding import SparseCodingDataModule
 from featlearn.datamodules.structured_parity import StructuredParityDataModule
 from featlearn.datamodules.two_feature_patches import TwoFeaturePatchDataModule
+from featlearn.experiments.common import resolved_config
 from featlearn.kernels import smoothed_relu
 from featlearn.lightning_modules.contrastive import ContrastiveModule
 from featlearn.lightning_modules.mrp import TeacherStudentMRP
@@ -76,14 +79,14 @@ class Method:
         return ", ".join(f"{k}={args[k]}" for k in self.shape_keys if args.get(k) is not None)
 
     def state(self, model) -> dict:
-        """The plain loop's state: copies of the trained tensors and the constants the spec's step reads."""
+        """The plain loop's state: copies of the trained tensors and the constants the method's step reads."""
         raise NotImplementedError
 
     def loss(self, state: dict, batch: dict, forward=None) -> torch.Tensor:
         raise NotImplementedError
 
     def update(self, state: dict, step: int) -> None:
-        """SGD on ``state`` from its gradients, then the step-finishing work of the spec."""
+        """SGD on ``state`` from its gradients, then the method's step-finishing work."""
         raise NotImplementedError
 
 
@@ -98,7 +101,7 @@ def _sgd(params: list[torch.Tensor], lrs: list[float], decay: float = 0.0) -> No
 
 
 # ------------------------------------------------------------------------------------------------
-# seed 000: teacher-student MRP, mask-expected loss, full batch, norm cap (spec 000 2.3, 3.1, 8)
+# Pan et al. 2023: teacher-student MRP, mask-expected loss, full batch, norm cap (Sec. 3.2; the cap is ours)
 # ------------------------------------------------------------------------------------------------
 class MRP(Method):
     def state(self, model):
@@ -131,13 +134,13 @@ class MRP(Method):
 
 
 # ------------------------------------------------------------------------------------------------
-# seed 001: soft-threshold network, stop-gradient InfoNCE, SGD + weight decay, bias schedule (spec 001 3-4)
+# Wen & Li 2021: soft-threshold network, stop-gradient InfoNCE, SGD + weight decay, bias schedule (Sec. 2.2)
 # ------------------------------------------------------------------------------------------------
 class Contrastive(Method):
     def state(self, model):
         return {"w": _trainable(model.w), "b": model.bias.detach().clone(),
-                "M": model.M, "tau": model.tau, "lr": model.hp.lr, "lam": model.lam, "d": model.d,
-                "beta0": model.hp.bias_reset_mult, "c_b": model.hp.bias_min_rate_mult, "kappa": model.kappa_b,
+                "M": model.M, "tau": model.tau, "lr": model.hparams.lr, "lam": model.lam, "d": model.d,
+                "beta0": model.hparams.bias_reset_mult, "c_b": model.hparams.bias_min_rate_mult, "kappa": model.kappa_b,
                 "T1": None}
 
     @staticmethod
@@ -178,7 +181,7 @@ class Contrastive(Method):
 
 
 # ------------------------------------------------------------------------------------------------
-# seed 004: cubic patch encoder, identity-initialised head with frozen diagonal, BN cosine loss (spec 004 4.1)
+# Wen & Li 2022: cubic patch encoder, identity-initialised head with frozen diagonal, BN cosine loss (eq. 3.3)
 # ------------------------------------------------------------------------------------------------
 class NonContrastive(Method):
     weights = ("w", "E")
@@ -201,7 +204,7 @@ class NonContrastive(Method):
         return ((bn(f @ E.T) - bn(g)) ** 2).sum(1).mean() / w.shape[0]
 
     def loss(self, state, batch, forward=None):
-        if state["pop"] is not None:  # the spec's N = infinity closed form (theory.noncontrastive, spec 5.6)
+        if state["pop"] is not None:  # the N = infinity closed form (theory.noncontrastive)
             return population_loss(state["w"], state["E"], *state["pop"])
         return (forward or self._forward)(state["w"], state["E"], batch["x"], batch["view1"].to(batch["x"].dtype))
 
@@ -215,16 +218,16 @@ class NonContrastive(Method):
 
 
 # ------------------------------------------------------------------------------------------------
-# seed 002: one-layer softmax ViT, masked autoencoding, the structured (Phi, Upsilon) path (spec 002 3.1, 4.1, 7.2)
+# Huang et al. 2025: one-layer softmax ViT, masked autoencoding, the structured (Phi, Upsilon) path
 # ------------------------------------------------------------------------------------------------
 class ViTMAEStep(Method):
-    """The exact reduced parametrisation of spec 3.1(3) / 7.2 (featlearn's CPU path): the logits of a masked
+    """The exact reduced parametrisation (featlearn's CPU path): the logits of a masked
     query p are ``s_pq = 1{q in U} z_q Phi[p, f(q)] + Upsilon[p, q]``, the loss is Lemma D.8's closed form in
-    the unmasked area attention ``A_{p,m}`` (spec 4.1), plain SGD at ``eta`` on Phi and Upsilon, nothing after
-    the update. Both area contractions (Phi's row onto the keys, the attention onto the areas: spec 7.2's
-    gather and segment sum) are batched GEMMs with the one-hot of the unmasked keys' areas. Spec 7.2 leaves the
-    batch reduction open: featlearn's loss is the mean over samples of the sum over masked patches (spec 4.1's
-    minibatch estimate), and so is this loop's."""
+    the unmasked area attention ``A_{p,m}``, plain SGD at ``eta`` on Phi and Upsilon, nothing after
+    the update. Both area contractions (Phi's row onto the keys, the attention onto the areas: a
+    gather and a segment sum) are batched GEMMs with the one-hot of the unmasked keys' areas. featlearn's loss is
+    the mean over samples of the sum over masked patches (the minibatch estimate of eq. 2.8), and so is this
+    loop's."""
     weights = ("phi", "upsilon")
     shape_keys = ("P", "K", "d", "gamma", "path", "batch_size")
 
@@ -236,10 +239,10 @@ class ViTMAEStep(Method):
     def _forward(phi, upsilon, query, cluster, area, unmasked, z, z_area, N: int):
         keys = F.one_hot(area, N).to(phi.dtype) * unmasked.unsqueeze(-1)            # [B, P, N] unmasked keys' areas
         rows = phi.view(phi.shape[0], -1, N)[query, cluster.unsqueeze(-1)]          # [B, Pq, N]: Phi[p, k N + m]
-        s = upsilon[query] + rows @ (keys * z.unsqueeze(-1)).transpose(1, 2)         # [B, Pq, P] spec 3.1(3)
+        s = upsilon[query] + rows @ (keys * z.unsqueeze(-1)).transpose(1, 2)         # [B, Pq, P] exact logits
         A = torch.softmax(s, -1) @ keys                                             # [B, Pq, N] area attention
         target = F.one_hot(area.gather(1, query), N).to(phi.dtype)
-        return 0.5 * (z_area.unsqueeze(1) ** 2 * (A - target) ** 2).sum((1, 2)).mean()  # Lemma D.8, spec 4.1
+        return 0.5 * (z_area.unsqueeze(1) ** 2 * (A - target) ** 2).sum((1, 2)).mean()  # Lemma D.8
 
     def loss(self, state, batch, forward=None):
         return (forward or self._forward)(state["phi"], state["upsilon"], batch["masked_idx"], batch["cluster"],
@@ -250,29 +253,29 @@ class ViTMAEStep(Method):
 
 
 # ------------------------------------------------------------------------------------------------
-# seed 002: one-layer softmax ViT, contrastive learning, pooled form, stop-gradient InfoNCE (spec 002 3.2, 4.3, 7.3)
+# Huang et al. 2025: one-layer softmax ViT, contrastive learning, pooled form, stop-gradient InfoNCE (eq. 2.11)
 # ------------------------------------------------------------------------------------------------
 class ViTCLStep(Method):
-    """Spec 7.3: shared query rows ``Y = E Q``, logits ``Y X^T``, a row softmax, the column mean ``abar`` and
+    """Shared query rows ``Y = E Q``, logits ``Y X^T``, a row softmax, the column mean ``abar`` and
     ``F = abar X`` per view; the anchor ``X^+`` carries the gradient, the positive ``X^{++}`` and the
-    unaugmented in-batch negatives ``X_j, j != i`` are stop-gradient (spec 4.3); plain SGD with weight decay
+    unaugmented in-batch negatives ``X_j, j != i`` are stop-gradient (eq. 2.3, 2.11); plain SGD with weight decay
     ``lambda``. All three views read one GEMM ``Y X^T`` of the unmasked sample: a masked key is a zero patch
-    with logit 0 (spec 3.2), so a view's logits are that product with its masked columns set to 0 and its
-    pooled output drops their values. The spec leaves open how the anchor's own sample leaves the negatives:
+    with logit 0 (Def. 2.6), so a view's logits are that product with its masked columns set to 0 and its
+    pooled output drops their values. The paper leaves open how the anchor's own sample leaves the negatives:
     featlearn sets its logit to -inf, and so does this loop."""
     weights = ("Q",)
     shape_keys = ("P", "K", "d", "gamma0", "batch_size")
 
     def state(self, model):
         return {"Q": _trainable(model.Q), "E": model.E, "V": model.V, "tau": model.tau, "lr": model.lr,
-                "lam": model.lam}
+                "lam": model.hparams.weight_decay}
 
     @staticmethod
     def _forward(Q, E, V, feat_id, z, noise, mask1, mask2, tau: float):
-        x = V[feat_id] * z.unsqueeze(-1) + noise                                    # the noisy sample X (spec 1.4)
+        x = V[feat_id] * z.unsqueeze(-1) + noise                                    # noisy sample X (Assumption 4.3)
         s = (E @ Q) @ x.transpose(1, 2)                                             # [B, P, P]: the one GEMM
 
-        def pooled(s, mask):                                                        # F = abar X (spec 3.2)
+        def pooled(s, mask):                                                        # F = abar X (Def. 2.6)
             if mask is not None:
                 s = s.masked_fill(mask.unsqueeze(1), 0.0)
             abar = torch.softmax(s, -1).mean(1)                                     # [B, P]
@@ -294,10 +297,10 @@ class ViTCLStep(Method):
 
 
 # ------------------------------------------------------------------------------------------------
-# seed 003 ch. 2: two-layer truncated-ReLU network, a stage-3 minibatch step (spec 003a 1.2-1.3)
+# Shi 2024, Ch. 2: two-layer truncated-ReLU network, a stage-3 minibatch step (Sec. 2.3)
 # ------------------------------------------------------------------------------------------------
 class TwoLayerStep(Method):
-    """Spec 003a 1.3, stage 3 of Theorem A.20 (598 of Table A.1's 600 steps): a minibatch,
+    """Stage 3 of Shi 2024, Theorem A.20 (598 of Table A.1's 600 steps): a minibatch,
     ``g(x) = sum_i a_i clamp(<w_i, x> + b_i, 0, 1)`` over the 2m mirrored neurons, the hinge loss, plain GD
     on a, w, b with the theory's ``eta = k^2 / (T m^(1/3))`` and ``p <- (1 - 2 eta lambda) p - eta grad``
     (no decay on b). The main job reaches this step after two full-batch steps; the case runs
@@ -326,18 +329,18 @@ class TwoLayerStep(Method):
 
 
 # ------------------------------------------------------------------------------------------------
-# seed 003 ch. 7: linear representation, multi-negative logistic loss, projected SGD (spec 003b 2.2)
+# Shi 2024, Ch. 7: linear representation, multi-negative logistic loss, projected SGD (Sec. 7.2.2)
 # ------------------------------------------------------------------------------------------------
 class UniversalityStep(Method):
-    """Spec 003b 2.2, universal mode: ``phi(x) = W x``, the ``theory`` loss
+    """Shi 2024, Sec. 7.2.2, universal mode: ``phi(x) = W x``, the ``theory`` loss
     ``softplus(-phi(x)^T (phi(x+) - mean_batch phi(x)))`` (one GEMM per view), SGD, then the exact projection
     onto ``{||W||_2 <= 1, ||W||_F <= sqrt(r)}``: one SVD, ``sigma <- min(1, sigma / (1 + tau))`` with ``tau``
-    bisected on the singular values (the spec's pseudo-code, 60 halvings). The spec's code leaves the SVD's
-    precision open: featlearn computes the projection in float64 and returns W's dtype, and so does this loop."""
+    bisected on the singular values (60 halvings). The SVD's precision is a choice: featlearn computes the projection in
+    float64 and returns W's dtype, and so does this loop."""
     shape_keys = ("T", "s", "r", "u", "batch_size")
 
     def state(self, model):
-        return {"w": _trainable(model.w), "lr": model.hp.lr, "r": float(model.r)}
+        return {"w": _trainable(model.w), "lr": model.hparams.lr, "r": float(model.r)}
 
     @staticmethod
     def _forward(w, x, x_pos):
@@ -367,72 +370,64 @@ class UniversalityStep(Method):
 
 
 # ------------------------------------------------------------------------------------------------
-# the main jobs' sizes (tiny) and a few-second version of each (smoke)
+# the main jobs' sizes (tiny: their run configs, resolved as `lightning fit --config` resolves them) and a
+# few-second version of each (smoke: overrides on top)
 # ------------------------------------------------------------------------------------------------
-_MRP_TINY = dict(k=10, d=256, P=16, C_p=1, s=2.0, mu=0.02, rho=0.1, sigma_p=0.005, gamma=0.002, num_pretrain=1000,
-                 num_downstream=500, num_test=10000)
-_MRP_MODEL = dict(theta=0.5, loss="expected", q=3, rho=0.25, sigma0=0.02, m=6, lr=5.0, norm_cap=1.0,
-                  stop_after_capture=200, backend="auto")
-_CON_TINY = dict(d=32, d1=256, dictionary="random", augment="random_mask", num_negatives=256, negatives="shared",
-                 mode="online", batch_size=256, num_val=8000, num_test=4000)
-_CON_MODEL = dict(width_mult=4.0, lr=2.0, bias_mode="schedule", seed=0, backend="auto")
-_NC_TINY = dict(dim=100, num_patches=32, num_feature_patches=8, alphas=[4.0, 2.7], noise_std=1.0, dtype="float64")
-_NC_MODEL = dict(width=2, head="offdiag", target="shared_sg", lr=0.05, head_lr=0.05, out_norm="bn", backend="auto")
-# configs/vit/data_p256_pos.yaml (K = 4 for mae.yaml; cl.yaml sets K = 8, d = 512)
-_VIT_TINY = dict(P=256, K=4, kappa_c=0.875, kappa_s=0.5, layout="random", basis="canonical", d=None, z_law="uniform",
-                 z_low=0.9, z_high=1.1, noise_var=None, dtype="float32", mode="online", batch_size=32,
-                 steps_per_epoch=100, num_val=256, num_test=256)
-_VIT_SMOKE = dict(P=64, kappa_c=0.75, kappa_s=0.5, batch_size=8, num_val=8, num_test=8)
-_MAE_MODEL = dict(gamma=0.75, lr=None, path="structured", masked_keys="include")            # configs/vit/mae.yaml
-_CL_MODEL = dict(gamma0=0.5, lr=5000.0, temperature=None, weight_decay=0.0, pooling="auto")  # configs/vit/cl.yaml
-# configs/universality/data_tiny.yaml and universal.yaml
-_UNI_TINY = dict(T=4, s=5, r=10, u=10, sigma_S=1.0, sigma_R=1.0, sigma_U=1.0, task_weights=None, dictionary="haar",
-                 target_task=0, label="regression", label_noise=0.25, mode="online", batch_size=2048,
-                 steps_per_epoch=100, num_val=16, num_test=4000)
-# configs/two_layer/data_parity.yaml (n = 5,000 instead of 50,000: a step reads one minibatch, and the
-# case builds its data several times) and network.yaml with the experiment's lr3 x1 and lambda x0
-_TWO_LAYER_TINY = dict(dim=500, num_patterns=100, k=5, p_o=0.5, labeling="parity", structure=True, normalize="analytic",
-                       dtype="float32", mode="fixed", batch_size=1000, num_train=5000, num_val=16, num_test=16)
-_TWO_LAYER_MODEL = dict(width=300, mode="network", schedule="plain", lr3_mult=1.0, reg3_mult=0.0, steps=600,
-                        backend="auto")
-_UNI_MODEL = dict(mode="universal", loss="theory", lr=0.5, optimizer="sgd", init_scale=0.01, probe_repeats=10, seed=0)
+MAIN_JOBS = {"mrp": "mrp/teacher_student.yaml", "contrastive": "contrastive/random_mask.yaml",
+             "noncontrastive": "noncontrastive/with_head.yaml", "vit_mae": "vit/mae.yaml", "vit_cl": "vit/cl.yaml",
+             "two_layer": "two_layer/network.yaml", "universality": "universality/universal.yaml"}
+# the one main job the step case does not take as it is: ch. 2's network with n = 5,000 samples instead
+# of 50,000 (a step reads one minibatch, and the case builds its data several times) and the plain
+# schedule with the experiment's stage-3 step x1 and no weight decay over a 600-step run
+_TWO_LAYER_CHANGES = (dict(num_train=5000, num_val=16, num_test=16),
+                      dict(schedule="plain", lr3_mult=1.0, reg3_mult=0.0, steps=600))
+
+
+@functools.cache
+def main_job(name: str) -> tuple[dict, dict]:
+    """(data, model) init arguments of a method's main-job config (:data:`MAIN_JOBS`)."""
+    config = resolved_config(MAIN_JOBS[name])
+    return dict(config["data"]["init_args"]), dict(config["model"]["init_args"])
 
 
 def method(name: str, size: str) -> list[Method]:
     """The step cases of one method at ``size`` (non-contrastive: its sampled and its population step)."""
     smoke = size == "smoke"
+    data, model = main_job(name)
     if name == "mrp":
-        data = dict(_MRP_TINY, k=4, d=16, P=10, num_pretrain=32, num_downstream=16, num_test=16) if smoke else _MRP_TINY
-        return [MRP("mrp", torch.float32, 10, MultiViewDataModule, data, TeacherStudentMRP,
-                    dict(_MRP_MODEL, m=2) if smoke else _MRP_MODEL, ("weight",))]
+        if smoke:
+            data, model = dict(data, k=4, d=16, P=10, num_pretrain=32, num_downstream=16, num_test=16), dict(model, m=2)
+        return [MRP("mrp", torch.float32, 10, MultiViewDataModule, data, TeacherStudentMRP, model, ("weight",))]
     if name == "contrastive":
-        data = dict(_CON_TINY, d=8, d1=32, num_negatives=16, batch_size=16, num_val=16, num_test=16) if smoke \
-            else _CON_TINY
+        if smoke:
+            data = dict(data, d=8, d1=32, num_negatives=16, batch_size=16, num_val=16, num_test=16)
         return [Contrastive("contrastive", torch.float32, 25, SparseCodingDataModule, data, ContrastiveModule,
-                            _CON_MODEL, ("w",))]
+                            model, ("w",))]
     if name == "noncontrastive":
-        shape = dict(_NC_TINY, dim=12, num_patches=8, num_feature_patches=2) if smoke else _NC_TINY
+        shape = dict(data, dim=12, num_patches=8, num_feature_patches=2) if smoke else data
         sample = dict(shape, mode="fixed", batch_size=None, num_train=64 if smoke else 1024, num_val=8, num_test=8)
         population = dict(shape, mode="online", batch_size=2, num_val=8, num_test=8)
         return [NonContrastive("noncontrastive sample", torch.float64, 500, TwoFeaturePatchDataModule, sample,
-                               NonContrastiveModule, _NC_MODEL, ("w", "head")),
+                               NonContrastiveModule, model, ("w", "head")),
                 NonContrastive("noncontrastive population", torch.float64, 500, TwoFeaturePatchDataModule, population,
-                               NonContrastiveModule, dict(_NC_MODEL, gradient="population"), ("w", "head"))]
+                               NonContrastiveModule, dict(model, gradient="population"), ("w", "head"))]
+    smoke_vit = dict(P=64, kappa_c=0.75, kappa_s=0.5, batch_size=8, num_val=8, num_test=8)
     if name == "vit_mae":
-        data = dict(_VIT_TINY, **_VIT_SMOKE, K=2) if smoke else _VIT_TINY
-        return [ViTMAEStep("vit_mae", torch.float32, 10, GlobalLocalPatchDataModule, data, ViTMAE, _MAE_MODEL,
+        data = dict(data, **smoke_vit, K=2) if smoke else data
+        return [ViTMAEStep("vit_mae", torch.float32, 10, GlobalLocalPatchDataModule, data, ViTMAE, model,
                            ("phi", "upsilon"))]
     if name == "vit_cl":
-        data = dict(_VIT_TINY, **_VIT_SMOKE, K=4) if smoke else dict(_VIT_TINY, K=8, d=512)
-        return [ViTCLStep("vit_cl", torch.float32, 10, GlobalLocalPatchDataModule, data, ViTCL, _CL_MODEL, ("Q",))]
+        data = dict(data, **smoke_vit, K=4, d=None) if smoke else data
+        return [ViTCLStep("vit_cl", torch.float32, 10, GlobalLocalPatchDataModule, data, ViTCL, model, ("Q",))]
     if name == "two_layer":
-        data = dict(_TWO_LAYER_TINY, dim=24, num_patterns=12, k=3, batch_size=32, num_train=64) if smoke \
-            else _TWO_LAYER_TINY
+        data, model = dict(data, **_TWO_LAYER_CHANGES[0]), dict(model, **_TWO_LAYER_CHANGES[1])
+        if smoke:
+            data, model = dict(data, dim=24, num_patterns=12, k=3, batch_size=32, num_train=64), dict(model, width=8)
         return [TwoLayerStep("two_layer", torch.float32, 50, StructuredParityDataModule, data, TwoLayerNetwork,
-                             dict(_TWO_LAYER_MODEL, width=8) if smoke else _TWO_LAYER_MODEL, ("a", "w", "b"))]
+                             model, ("a", "w", "b"))]
     if name == "universality":
-        data = dict(_UNI_TINY, T=2, s=2, r=4, u=2, batch_size=64, num_test=16) if smoke else _UNI_TINY
+        if smoke:
+            data, model = dict(data, T=2, s=2, r=4, u=2, batch_size=64, num_test=16), dict(model, probe_repeats=1)
         return [UniversalityStep("universality", torch.float32, 25, HiddenRepresentationDataModule, data,
-                                 LinearContrastive, dict(_UNI_MODEL, probe_repeats=1) if smoke else _UNI_MODEL,
-                                 ("w",))]
-    raise ValueError(f"unknown method {name!r}: one of {', '.join(METHODS)}")
+                                 LinearContrastive, model, ("w",))]
+    raise ValueError(f"no step case for {name!r}")

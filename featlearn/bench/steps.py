@@ -1,6 +1,6 @@
 """Step cases of ``featlearn bench step``: one full optimisation step of each method (forward, loss, backward,
 optimizer step and the method's step-finishing work) through featlearn, against a plain PyTorch loop written
-from the method's spec and ``torch.compile`` of that loop.
+from the method's definition and ``torch.compile`` of that loop.
 
 * ``featlearn``: the real LightningModule inside a real ``Trainer.fit`` (no logger, progress bar or
   checkpoints; the ``DivergenceGuard`` every CLI run has; the config's ``log_every_n_steps``, so theory
@@ -11,8 +11,8 @@ from the method's spec and ``torch.compile`` of that loop.
   hand-written loop calling ``training_step``, because that is what a run costs: the Trainer's per-step
   work is part of a featlearn step, and without a Trainer the modules compute their theory metrics on
   every step. The plain loops run one step each inside the same callback, so the three are interleaved.
-* ``plain eager``: the spec's step in ~30 lines of PyTorch (one GEMM per branch; the stop-gradient branch
-  from the same product where the spec allows), SGD by hand and the method's step-finishing work
+* ``plain eager``: the method's step in ~30 lines of PyTorch (one GEMM per branch; the stop-gradient branch
+  from the same product where the method allows), SGD by hand and the method's step-finishing work
   (:mod:`featlearn.bench.step_methods`, one :class:`~featlearn.bench.step_methods.Method` per method).
 * ``plain compiled``: the same loop with its loss under ``torch.compile`` (AOTAutograd compiles its
   backward); the update, a few in-place ops on the weights (and the projection's SVD), stays eager.
@@ -25,13 +25,13 @@ Sizes: ``tiny`` = each method's main job (MRP: configs/mrp/teacher_student.yaml 
 contrastive: configs/contrastive/random_mask.yaml + data_tiny.yaml; non-contrastive population mode:
 with_head_population.yaml at d = 100; non-contrastive sample mode: with_head.yaml's d = 100, P = 32 with a
 fixed full batch of N = 1024 samples, a CPU-feasible size: the config's 4096 fresh samples per step cost ~8 s
-of sampling per step on 2 cores; seed 002: configs/vit/mae.yaml and cl.yaml with data_p256_pos.yaml, MAE on
-its CPU default, the structured path; seed 003 ch. 2: a stage-3 step of configs/two_layer/network.yaml on
+of sampling per step on 2 cores; ViT: configs/vit/mae.yaml and cl.yaml with data_p256_pos.yaml, MAE on
+its CPU default, the structured path; two-layer (Shi 2024, Ch. 2): a stage-3 step of configs/two_layer/network.yaml on
 data_parity.yaml, B = 1000, d = 500, 2m = 600, through ``schedule: plain`` whose every step is a stage-3
-step; seed 003 ch. 7: configs/universality/universal.yaml + data_tiny.yaml),
-``smoke`` = a few-second version of each for CI; ``gpu`` (CUDA only, :data:`GPU_METHODS`) = the specs'
-one-GPU sizes: MRP at spec 000 medium (configs/mrp/teacher_student_medium.yaml + data_medium.yaml: k = 64,
-m = 8, R = 512, d = 1024, P = 32, full batch N = 16384) and contrastive learning at spec 001 medium
+step; universality (Ch. 7): configs/universality/universal.yaml + data_tiny.yaml),
+``smoke`` = a few-second version of each for CI; ``gpu`` (CUDA only, :data:`GPU_METHODS`) = the
+one-GPU sizes: MRP at its medium size (configs/mrp/teacher_student_medium.yaml + data_medium.yaml: k = 64,
+m = 8, R = 512, d = 1024, P = 32, full batch N = 16384) and contrastive learning at its medium size
 (d = 256, d1 = 2048, m = 1024, K = 1024 anchors, 4096 shared negatives), without the ``plain compiled``
 variant (:data:`COMPILED_AT_GPU`: a compile of a loss and its backward costs ~20-40 s of the check's
 5 minutes, and ``bench op --size gpu`` already holds torch.compile against the same GEMMs). A case
@@ -54,6 +54,7 @@ from featlearn.bench.step_methods import METHODS, Method, method
 from featlearn.callbacks import DivergenceGuard
 from featlearn.datamodules.multiview import MultiViewDataModule
 from featlearn.datamodules.sparse_coding import SparseCodingDataModule
+from featlearn.experiments.common import resolved_config
 from featlearn.lightning_modules.contrastive import ContrastiveModule
 from featlearn.lightning_modules.mrp import TeacherStudentMRP
 
@@ -62,31 +63,29 @@ FEATLEARN = "featlearn"
 SIZES = (*step_methods.SIZES, "gpu")
 GPU_METHODS = ("mrp", "contrastive")
 COMPILED_AT_GPU = ()
-# configs/mrp/teacher_student_medium.yaml + data_medium.yaml (spec 000 section 1.6 medium)
-_MRP_MEDIUM = dict(k=64, d=1024, P=32, C_p=2, s=3.0, mu=0.2, rho=0.1, sigma_p=0.003, gamma=0.00016, num_pretrain=16384,
-                   num_downstream=4096, num_test=4096)
-_MRP_MEDIUM_MODEL = dict(theta=0.5, loss="expected", q=3, rho=0.25, sigma0=0.01, m=8, lr=30.0, norm_cap=1.0,
-                         stop_after_capture=500, backend="auto")
-# spec 001 section 1.6 medium on configs/contrastive/random_mask.yaml (m = width_mult d = 1024, lr 1.0)
-_CON_MEDIUM = dict(d=256, d1=2048, dictionary="random", augment="random_mask", num_negatives=4096, negatives="shared",
-                   mode="online", batch_size=1024, num_val=8000, num_test=4000)
-_CON_MEDIUM_MODEL = dict(width_mult=4.0, lr=1.0, bias_mode="schedule", seed=0, backend="auto")
+# the gpu size: MRP's medium config, and contrastive learning's main job at its medium size (d = 256,
+# d1 = 8d, m = width_mult d = 1024; the batch and the shared negatives of the paper's medium runs)
+GPU_JOBS = {"mrp": ("mrp/teacher_student_medium.yaml",),
+            "contrastive": ("contrastive/random_mask.yaml", "--data.init_args.d", "256", "--data.init_args.d1", "2048",
+                            "--data.init_args.num_negatives", "4096", "--data.init_args.batch_size", "1024",
+                            "--model.init_args.lr", "1.0")}
 
 
 def gpu_method(name: str) -> tuple[Method, float]:
     """The ``gpu`` size of a method of :data:`GPU_METHODS` and its model FLOPs per step (its GEMMs)."""
+    if name not in GPU_JOBS:
+        raise ValueError(f"no gpu size for {name!r}: one of {', '.join(GPU_METHODS)}")
+    config = resolved_config(*GPU_JOBS[name])
+    d, model = dict(config["data"]["init_args"]), dict(config["model"]["init_args"])
     if name == "mrp":  # forward A = x W^T and dW (the teacher reads the same A): 4 N P d R, R = k m
-        d = _MRP_MEDIUM
-        return (step_methods.MRP("mrp", torch.float32, 20, MultiViewDataModule, d, TeacherStudentMRP,
-                                 _MRP_MEDIUM_MODEL, ("weight",)),
-                4 * d["num_pretrain"] * d["P"] * d["d"] * d["k"] * _MRP_MEDIUM_MODEL["m"])
-    if name == "contrastive":  # the encoder on anchors, positives and negatives; grad_W on the anchors
-        d = _CON_MEDIUM
-        m, rows = 4 * d["d"], 2 * d["batch_size"] + d["num_negatives"]
-        return (step_methods.Contrastive("contrastive", torch.float32, 25, SparseCodingDataModule, d, ContrastiveModule,
-                                         _CON_MEDIUM_MODEL, ("w",)),
-                2 * rows * d["d1"] * m + 2 * d["batch_size"] * d["d1"] * m)
-    raise ValueError(f"no gpu size for {name!r}: one of {', '.join(GPU_METHODS)}")
+        return (step_methods.MRP("mrp", torch.float32, 20, MultiViewDataModule, d, TeacherStudentMRP, model,
+                                 ("weight",)),
+                4 * d["num_pretrain"] * d["P"] * d["d"] * d["k"] * model["m"])
+    # contrastive: the encoder on anchors, positives and negatives; grad_W on the anchors
+    m, rows = int(model["width_mult"] * d["d"]), 2 * d["batch_size"] + d["num_negatives"]
+    return (step_methods.Contrastive("contrastive", torch.float32, 25, SparseCodingDataModule, d, ContrastiveModule,
+                                     model, ("w",)),
+            2 * rows * d["d1"] * m + 2 * d["batch_size"] * d["d1"] * m)
 
 
 # ------------------------------------------------------------------------------------------------

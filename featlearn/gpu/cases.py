@@ -1,5 +1,5 @@
 """The calls ``featlearn gpu compile`` builds: each op of ``featlearn.kernels`` through its Triton path at
-the sizes its spec runs, on ``meta`` tensors (nothing is allocated or computed), in the precisions its
+the sizes its methods run (their configs), on ``meta`` tensors (nothing is allocated or computed), in the precisions its
 methods use. A new op or kernel adds its calls here; ``tests/test_gpu_compile.py`` fails while a launched
 kernel has none.
 
@@ -64,8 +64,8 @@ def _bn_cosine(N, M, dtype, out_norm, stop_grad=True):
 
 
 def cases() -> dict:
-    """op -> [(case name, call)]: sizes from the specs (``../shared/spec``). Each kernel is built in every
-    precision at its main spec size, and in the precisions its methods run at the other sizes (a size
+    """op -> [(case name, call)]: sizes from the methods' configs. Each kernel is built in every
+    precision at its method's main size, and in the precisions its methods run at the other sizes (a size
     divisible by 16 or not, a flag on or off, compiles different code)."""
     from functools import partial as p
 
@@ -73,11 +73,11 @@ def cases() -> dict:
     every = PRECISIONS
     ieee_and_fp64 = [v for v in PRECISIONS if v[0] != "fp32-tf32"]
     for name, dtype, precision in every:
-        # seed 000: MRP medium (k=64, m=8: R=512, d=1024, P=32, full batch 16384) with teacher and squares
-        # (A saved: 1 GiB in float32); seed 001 medium (d1=2048, m=1024, K+N=5120 rows); dissertation ch. 2
-        # Table A.1 (d=500, 2m=1000); seed 002 section 7.1 (B=64, P=1024 keys, 768 masked queries from 1024
+        # MRP medium (k=64, m=8: R=512, d=1024, P=32, full batch 16384) with teacher and squares
+        # (A saved: 1 GiB in float32); contrastive medium (d1=2048, m=1024, K+N=5120 rows); dissertation ch. 2
+        # Table A.1 (d=500, 2m=1000); ViT MAE at P = 1024 (B=64, P=1024 keys, 768 masked queries from 1024
         # shared rows, d=1152, 130 areas) and its contrastive path (per-sample queries, P=256, d=256); the
-        # x-gradient kernels at unaligned sizes (seed 001's ablation, ch. 2's Gaussian mixture: d=100, 800 neurons)
+        # x-gradient kernels at unaligned sizes (the contrastive ablation, ch. 2's Gaussian mixture: d=100, 800 neurons)
         cases["patch_activation_sum"].append(
             (f"000-medium/{name}", p(_patch_sum, 16384, 32, 1024, 512, "srelu", 3, dtype, precision, teacher=True,
                                      squares=True)))
@@ -91,8 +91,8 @@ def cases() -> dict:
             (f"002-mae/{name}", p(_attention, 64, 1024, 768, 1024, 1152, dtype, precision, groups=130)),
             (f"002-cl/{name}", p(_attention, 64, 256, 256, 0, 256, dtype, precision, shared=False, groups=17))]
     for name, dtype, precision in ieee_and_fp64:
-        # spec 000 large (A recomputed in the backward); seed 004's encoder (R=2, d=1000, mask, float64);
-        # unaligned sizes (d=500, R=30, P=30); padded keys
+        # MRP at k = 512, m = 22 (A recomputed in the backward); the non-contrastive encoder (R=2, d=1000, mask,
+        # float64); unaligned sizes (d=500, R=30, P=30); padded keys
         cases["patch_activation_sum"] += [
             (f"000-large/{name}", p(_patch_sum, 4096, 64, 2048, 11264, "srelu", 3, dtype, precision)),
             (f"004-encoder/{name}", p(_patch_sum, 8192, 32, 1000, 2, "pow", 3, dtype, precision, mask=True,
@@ -101,7 +101,7 @@ def cases() -> dict:
         cases["masked_attention"].append(
             (f"002-mae-exclude/{name}", p(_attention, 64, 1024, 768, 1024, 1152, dtype, precision, pad=True)))
     for dtype, label in (("float64", "fp64"), ("float32", "fp32")):
-        # seed 004: N=8192, m=2 in float64 (its spec), a wider m=64 in float32; both normalisations
+        # non-contrastive: N=8192, m=2 in float64 (its configs), a wider m=64 in float32; both normalisations
         cases["bn_cosine_loss"] += [(f"004-bn/{label}", p(_bn_cosine, 8192, 2, dtype, "bn")),
                                     (f"004-l2/{label}", p(_bn_cosine, 8192, 2, dtype, "l2")),
                                     (f"wide-bn-no-stopgrad/{label}", p(_bn_cosine, 8192, 64, dtype, "bn", False)),

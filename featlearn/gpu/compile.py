@@ -2,8 +2,8 @@
 offline, with no GPU, as ``triton.compile`` does on first launch; registers, spills and shared memory
 of each build.
 
-How: each op is called, through its Triton path, at the spec sizes (:mod:`featlearn.gpu.cases`) on ``meta`` tensors with
-the interpreter's launch replaced by a recorder, so the launches (kernel, argument types, int values,
+How: each op is called, through its Triton path, at its methods' sizes (:mod:`featlearn.gpu.cases`) on ``meta`` tensors
+with the interpreter's launch replaced by a recorder, so the launches (kernel, argument types, int values,
 constexpr flags) are exactly the ones a training step makes, at no cost. Every launch is then compiled
 for ``GPUTarget("cuda", 90, 32)`` with each autotune config the call may pick (the kernel's
 ``gpu_configs`` that its ``fits`` rule keeps; ``--all-configs`` adds the rest), in worker processes

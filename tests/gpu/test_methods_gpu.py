@@ -5,10 +5,11 @@
   ``lightning fit --config`` builds them; dry mode adds tiny data overrides). One optimisation step through the
   module's own ``optimizer_step`` hook (``training_step``, backward, the update and ``finish_step``; what
   ``featlearn bench step`` checks), once on the CPU in float64 (backend ``auto``: PyTorch) and once on the GPU
-  (backend ``auto``: Triton) in the method's dtype: float32 with IEEE products, float64 for seed 004, whose data
-  is float64. Both start from the same state and batch (the Trainer's first), rounded to the GPU run's dtype;
-  every floating tensor of the state dict is compared after the step. In dry mode the "GPU" run is the CPU in
-  float32 with ``backend="triton"`` (the interpreter): the plumbing of the path a GPU run takes.
+  (backend ``auto``: Triton) in the method's dtype: float32 with IEEE products, float64 for the non-contrastive
+  methods (Wen & Li 2022), whose data is float64. Both start from the same state and batch (the Trainer's
+  first), rounded to the GPU run's dtype; every floating tensor of the state dict is compared after the step.
+  In dry mode the "GPU" run is the CPU in float32 with ``backend="triton"`` (the interpreter): the plumbing of
+  the path a GPU run takes.
 * DDP: two steps of ``Trainer.fit`` with ``strategy=ddp`` on one device (nccl; gloo in dry mode) against the
   same fit without a strategy, from the same module (``DDP_METHODS``).
 * bn sync: the loss and its gradient with ``sync=True`` under a 1-rank group (the statistics gathered and
