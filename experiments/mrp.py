@@ -158,6 +158,11 @@ def supervised(out: Path, size: Size, mu: float, seed: int, q: int, sigma0: floa
             "steps": sl.trainer.global_step, "seconds": round(time.time() - start, 1)}
 
 
+def shared_point() -> dict:
+    """The settings every method runs at before (and besides) the grid."""
+    return {"q": SETTINGS["shared"]["q"], "lr_scale": SETTINGS["shared"]["lr_scale"]}
+
+
 def grid_points() -> list[dict]:
     grid = SETTINGS["grid"]
     return [{"q": q, "lr_scale": s} for q in grid["q"] for s in grid["lr_scale"]]
@@ -174,9 +179,8 @@ def _best(rows: list[tuple[dict, dict]]) -> tuple[dict, dict]:
 
 def run(out: Path, size: Size, mu: float, seed: int, grid: bool) -> dict:
     """All rows of one (size, mu, seed): shared settings, and with ``grid`` each method's best grid point."""
-    shared = SETTINGS["shared"]
-    sigma0 = shared["sigma0"]
-    point = {"q": shared["q"], "lr_scale": shared["lr_scale"]}
+    sigma0 = SETTINGS["shared"]["sigma0"]
+    point = shared_point()
     both = mrp(out, size, mu, seed, sigma0=sigma0, **point)
     rows = {"MRP pretraining": both["pretrain"], "MRP + fine-tuning": both["finetune"],
             "SL from scratch": supervised(out, size, mu, seed, sigma0=sigma0, **point)}
@@ -351,8 +355,7 @@ def main(argv=None) -> dict:
     quiet_lightning()
     jobs = [(size, mu, seed) for size in sizes for mu in args.mu for seed in args.seed]
     per_seed = {}
-    shared = {"q": SETTINGS["shared"]["q"], "lr_scale": SETTINGS["shared"]["lr_scale"]}
-    fits = 3 * (1 + sum(p != shared for p in grid_points())) if args.grid else 3  # pretrain, fine-tune, SL
+    fits = 3 * (1 + sum(p != shared_point() for p in grid_points())) if args.grid else 3  # pretrain, fine-tune, SL
     for size, mu, seed in progress(jobs, "size x mu x seed", fits_per_item=fits):
         per_seed[size, mu, seed] = run(args.out / f"k{size.k}_mu{mu:g}" / f"seed{seed}", size, mu, seed, args.grid)
     results = [{"size": asdict(size), "mu": mu, "seeds": args.seed,

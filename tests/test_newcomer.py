@@ -10,17 +10,18 @@ import pytest
 
 from featlearn.cli import main, make_cli
 from featlearn.experiments.common import FitProgress, build, progress
+from tiny_sizes import MRP, PATCHES, SPARSE
 
 ROOT = Path(__file__).resolve().parents[1]
-MRP = "configs/mrp/teacher_student.yaml"
+MRP_CONFIG = "configs/mrp/teacher_student.yaml"
 TINY = ["--trainer.max_steps", "3", "--data.init_args.num_pretrain", "32"]
 
 
 @pytest.mark.parametrize("argv, said", [
-    (["fit", "--config", MRP, "--trainer.max_step", "5"],
+    (["fit", "--config", MRP_CONFIG, "--trainer.max_step", "5"],
      "unrecognized arguments: --trainer.max_step 5; did you mean --trainer.max_steps?"),
-    (["fit", "--config", MRP, "--heatmap.every_n_step", "5"], "did you mean --heatmap.every_n_steps?"),
-    (["fit", "--config", MRP, "--trainer.max_stepz", "5"], "did you mean --trainer.max_steps?"),
+    (["fit", "--config", MRP_CONFIG, "--heatmap.every_n_step", "5"], "did you mean --heatmap.every_n_steps?"),
+    (["fit", "--config", MRP_CONFIG, "--trainer.max_stepz", "5"], "did you mean --trainer.max_steps?"),
 ])
 def test_an_abbreviated_or_misspelled_option_is_refused_with_a_suggestion(argv, said, capsys, tmp_path):
     with pytest.raises(SystemExit) as stop:
@@ -34,7 +35,7 @@ def test_a_misspelled_config_key_gets_a_suggestion(capsys, tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("trainer:\n  max_stepz: 3\n")
     with pytest.raises(SystemExit):
-        main(["fit", "--config", MRP, "--config", str(bad)])
+        main(["fit", "--config", MRP_CONFIG, "--config", str(bad)])
     err = capsys.readouterr().err
     assert "trainer.max_stepz" in err and "did you mean --trainer.max_steps?" in err
 
@@ -47,16 +48,8 @@ def test_help_lists_featlearns_own_commands(capsys):
         assert command in out
 
 
-@pytest.mark.parametrize("config, tiny", [
-    (MRP, ["--data.init_args.num_pretrain", "32"]),
-    ("configs/contrastive/random_mask.yaml", ["--data.init_args.d", "8", "--data.init_args.d1", "32",
-                                              "--data.init_args.num_negatives", "16", "--data.init_args.batch_size",
-                                              "8", "--data.init_args.num_val", "16", "--data.init_args.num_test", "16",
-                                              "--model.init_args.width", "8"]),
-    ("configs/noncontrastive/with_head.yaml", ["--data.init_args.dim", "12", "--data.init_args.num_patches", "8",
-                                               "--data.init_args.batch_size", "16", "--data.init_args.num_val", "8",
-                                               "--data.init_args.num_test", "8"]),
-])
+@pytest.mark.parametrize("config, tiny", [(MRP_CONFIG, MRP), ("configs/contrastive/random_mask.yaml", SPARSE),
+                                          ("configs/noncontrastive/with_head.yaml", PATCHES)])
 def test_a_plain_fit_says_where_it_wrote_and_warns_nothing(config, tiny, tmp_path):
     # a subprocess: what a user's terminal shows, with Python's default warning filters
     run = subprocess.run([sys.executable, "-m", "featlearn.cli", "fit", "--config", config, "--trainer.max_steps", "3",
@@ -81,5 +74,5 @@ def test_experiment_progress_counts_fits_and_their_steps(tmp_path, one_thread):
             seen.append((bars.fits.n, bars.fits.total))
     assert seen == [(1, 4), (2, 4), (3, 4), (4, 4)]
     assert FitProgress.active is None
-    cli = make_cli(["--config", MRP, *TINY, "--trainer.logger", "false"], run=False)
+    cli = make_cli(["--config", MRP_CONFIG, *TINY, "--trainer.logger", "false"], run=False)
     assert not any(isinstance(c, FitProgress) for c in cli.trainer.callbacks)  # outside an experiment: none

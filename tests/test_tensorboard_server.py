@@ -35,6 +35,8 @@ import pytest
 import torch
 import yaml
 
+from tiny_sizes import HIDDEN, MRP, PARITY, PATCHES, SPARSE, VIT, over
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
 STEPS = 4  # optimisation steps of every run
@@ -44,20 +46,6 @@ COMMON_TRAIN_LOSS = "train/loss"  # the one training-loss tag every method shoul
 HTTP_TIMEOUT = 30.0
 SERVER_START_TIMEOUT = 90.0
 
-
-def over(data=(), model=()) -> list[str]:
-    """``--data.init_args.<name> <value>`` / ``--model.init_args.<name> <value>`` overrides."""
-    return [arg for part, values in (("data", dict(data)), ("model", dict(model))) for name, value in values.items()
-            for arg in (f"--{part}.init_args.{name}", "null" if value is None else str(value))]
-
-
-# the tiny sizes of tests/gpu/test_methods_gpu.py (dry mode)
-MRP = over(dict(k=4, d=32, P=10, num_pretrain=32, num_downstream=16, num_test=16), dict(m=2))
-SPARSE = over(dict(d=8, d1=32, num_negatives=16, batch_size=8, num_val=16, num_test=16), dict(width=8))
-PATCHES = over(dict(dim=12, num_patches=8, num_feature_patches=2, batch_size=16, num_val=8, num_test=8))
-VIT = dict(P=16, kappa_c=0.75, kappa_s=0.5, batch_size=2, num_val=8, num_test=8)
-PARITY = dict(dim=24, num_patterns=12, k=3, batch_size=16, num_train=64, num_val=16, num_test=16)
-HIDDEN = over(dict(T=2, s=2, r=4, u=2, batch_size=32, num_test=16), dict(probe_repeats=1))
 
 HEATMAP = ("heatmap/correlation",)  # HeatmapLogger, every method, at the end of fit
 # key: (run config, tiny overrides, the training loss's tag today, the learning-rate hparam, figure tags)

@@ -13,9 +13,14 @@ and times every config of every kernel at every size. ``FEATLEARN_TILES=search``
 """
 import gc
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+
+# the tests' shared helpers (tests/tiny_sizes.py) sit one folder up, off the path when only tests/gpu is collected
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 DRY = os.environ.get("FEATLEARN_GPU_DRY") == "1"
 CUDA = torch.cuda.is_available()
