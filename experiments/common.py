@@ -1,22 +1,21 @@
-"""What every experiment shares: its command line, building runs from the YAML configs, progress over
-fits, and the output files (the table as markdown and JSON, and PNG figures).
+"""What every experiment shares: its command line, building one fit from a YAML config, progress over
+fits, and the output files (the table as markdown and JSON, and PNG figures). The runs themselves go
+through the one engine, :mod:`featlearn.experiments.study`.
 
 An experiment is a module ``featlearn.experiments.<name>`` with a ``main(argv)``::
 
     parser = experiment_parser("what it compares", "runs/<name>")
     parser.add_argument(...)                      # its own options
     args = parse_experiment_args(parser, argv)    # --out, --overwrite, --seed S [S ...], --threads
-    for seed in progress(args.seed, "seeds"):
-        cli = build("<method>/<config>.yaml", args.out, f"run_s{seed}", "--seed_everything", str(seed))
-        cli.trainer.fit(cli.model, cli.datamodule)
-    write_results(args.out, "table", rows, markdown, figures={"headline": figure})
+    with Study(args, "seeds", fits=len(args.seed)) as study:
+        rows = {seed: study.fit(Run("<method>/<config>.yaml", f"seed{seed}", {...}, seed=seed)) for seed in args.seed}
+    study.write("table", rows, markdown, figures={"headline": figure})
 """
 import argparse
 import contextlib
 import io
 import json
 import logging
-import shutil
 import warnings
 from pathlib import Path
 
@@ -59,16 +58,23 @@ def experiment_parser(description: str, default_out: str) -> argparse.ArgumentPa
 
 def parse_experiment_args(parser: argparse.ArgumentParser, argv=None, check=None) -> argparse.Namespace:
     """Parse, refuse repeated seeds (naming the option), run the experiment's own ``check(parser, args)``
-    (which refuses with ``parser.error`` and may add derived values to ``args``), set the torch thread
-    count, and only then replace ``args.out`` by the folder to write to (:func:`output_dir`)."""
+    (which refuses with ``parser.error`` and may add derived values to ``args``) and set the torch thread
+    count. The folder to write to is chosen by the :class:`~featlearn.experiments.study.Study`."""
     args = parser.parse_args(argv)
     repeated = sorted({s for s in args.seed if args.seed.count(s) > 1})
     if repeated:
         parser.error(f"--seed: seeds must be distinct, got {repeated} more than once")
     if check is not None:
         check(parser, args)
+    out = getattr(args, "out", None)
+    if out is not None:
+        try:  # a file, /proc/x or a read-only place is refused here, before any work
+            Path(out).mkdir(parents=True, exist_ok=True)
+            (Path(out) / ".featlearn-write-check").touch()
+            (Path(out) / ".featlearn-write-check").unlink()
+        except OSError as error:
+            parser.error(f"--out: must be a folder featlearn can create and write, got {out} ({error.strerror})")
     torch.set_num_threads(args.threads)
-    args.out = output_dir(args.out, args.overwrite)
     return args
 
 
@@ -129,32 +135,6 @@ def progress(items, desc: str, fits_per_item: int = 1):
     items = list(items)
     with FitProgress(len(items) * fits_per_item, desc):
         yield from items
-
-
-def output_dir(out: Path, overwrite: bool = False) -> Path:
-    """The folder a run writes to: ``out`` if it is new or empty (or ``overwrite``: emptied first),
-    else the first free ``out-2``, ``out-3``, ... so that a rerun never mixes with or loses a previous run.
-
-    Example:
-        >>> import tempfile; root = Path(tempfile.mkdtemp())
-        >>> (output_dir(root / "a") / "table.md").touch()
-        >>> output_dir(root / "a").name  # doctest: +ELLIPSIS
-        /... holds a previous run: writing to /.../a-2 (--overwrite replaces /.../a)
-        'a-2'
-        >>> output_dir(root / "a", overwrite=True).name
-        'a'
-    """
-    out = Path(out)
-    if overwrite and out.exists():
-        shutil.rmtree(out)
-    chosen, n = out, 1
-    while chosen.exists() and any(chosen.iterdir()):
-        n += 1
-        chosen = out.with_name(f"{out.name}-{n}")
-    if chosen != out:
-        print(f"{out} holds a previous run: writing to {chosen} (--overwrite replaces {out})")
-    chosen.mkdir(parents=True, exist_ok=True)
-    return chosen
 
 
 def quiet_lightning() -> None:

@@ -1,47 +1,32 @@
 """Wen & Li 2021, Theorems 3.2 and 3.4: contrastive learning with vs without RandomMask, at equal bias, plus controls.
 
 Every setting is a config ``configs/contrastive/<setting>.yaml`` (``random_mask.yaml`` with what the setting
-changes; the data block is ``data_tiny.yaml``), built through the featlearn CLI
-(:func:`featlearn.experiments.common.build`) with the output location, the seed and the size knobs below
-overridden. Each run is trained, then tested (``trainer.test``: probes fitted on the val split, scored on the
-test split). The command prints and saves a table (``results.json`` / ``results.md``): sparse-energy
-fraction (final and peak), singleton neurons, features covered by singletons, the bias each run got
-(``b/||w||``, T1), regression / classification probes on f(x) vs raw x, cos(f(x), f(Mz)), cos(f(x), f(xi)),
-firing rate, T2 and the normalized final loss; and two PNGs beside it: ``results_features.png`` (coverage and
-singletons / m per setting) and ``results_correlation.png`` (neuron x atom heat map of the first setting's
-first seed). ``--sweep-d`` / ``--combine`` add ``sweep_d_coverage.png`` (coverage per d and setting).
+changes; the data block is ``data_tiny.yaml``), fitted through the experiment engine
+(:class:`featlearn.experiments.study.Study`: finished fits are kept in ``<out>/study.json``, so the same
+command run again resumes) with the seed and the size knobs below overridden. Each run is trained, then tested
+(``trainer.test``: probes fitted on the val split, scored on the test split). The command prints and saves a
+table (``results.json`` / ``results.md``): sparse-energy fraction (final and peak), singleton neurons, features
+covered by singletons, the bias each run got (``b/||w||``, T1), regression / classification probes on f(x) vs
+raw x, cos(f(x), f(Mz)), cos(f(x), f(xi)), firing rate, T2 and the normalized final loss; and two PNGs beside
+it: ``results_features.png`` (coverage and singletons / m per setting) and ``results_correlation.png`` (neuron x
+atom heat map of the first setting's first seed). ``--sweep-d`` / ``--combine`` add ``sweep_d_coverage.png``.
 With several ``--seed`` values every cell is ``mean (min-max)`` over seeds (``n/a`` where a quantity is
 undefined for some seed, e.g. T2 never reached).
 
-Default settings (the comparison differs in ONE thing at a time):
-* ``random_mask``: RandomMask views, paper bias schedule (Wen & Li 2021, Section 2.2: b = 0 until T1, detected
-  as the first step with ``min_i rho_i >= 1/2`` (its Theorem C.1), reset to ``sqrt(2 log d/d)||w_i||``, grown
-  to the cap ``(log d/sqrt d)||w_i||``, our value for the paper's polylog(d)/sqrt d).
-* ``no_augmentation``: positive = the sample itself, the SAME schedule, detected by the same rule on its own
-  run. Equal terms: the rule, its constants and the cap are identical; only the step at which T1 fires
-  can differ, and the table reports it (column T1) with the bias the run reached (column b/||w||). At
-  d1 = 8d and d = 32..128 T1 fires without augmentation too (earlier than with it). Where it does not
-  (d = 16, or d1 = 32d) the run keeps b = 0; ``--bias-reset-step N`` then resets every run's bias at step N.
-* ``linear_control``: no augmentation and ``b = 0``, so f(x) = Wx is linear and its probe cannot beat the
-  raw-x probe by construction (the old ``no_augmentation`` row; it tests the probes, not the theory).
-* ``coordinate_control``: RandomMask with a coordinate-aligned dictionary (negative control: each atom then
-  falls wholly into one view, the views share no sparse signal, and nothing should be learned).
+Default settings (each differs from ``random_mask`` in ONE thing; the configs' comments and
+docs/methods/contrastive.md say more): ``random_mask`` (RandomMask views, the paper's bias schedule: b = 0 until
+T1 = the first step with ``min_i rho_i >= 1/2``, reset to ``sqrt(2 log d/d)||w_i||``, grown to the cap
+``(log d/sqrt d)||w_i||``), ``no_augmentation`` (the SAME schedule, T1 detected by the same rule on its own run;
+the table reports T1 and the b/||w|| reached; ``--bias-reset-step N`` resets every run's bias at step N instead),
+``linear_control`` (no augmentation and b = 0: f linear, its probe cannot beat raw x by construction) and
+``coordinate_control`` (a coordinate-aligned dictionary: the views share no sparse signal). Ablations
+(``--settings``): ``learned_bias`` / ``learned_bias_no_aug`` (footnote 4) and ``paper_lambda`` (d^-1.25).
 
-Ablations (``--settings``): ``learned_bias`` / ``learned_bias_no_aug`` (bias learned by SGD with / without
-augmentation, footnote 4) and ``paper_lambda`` (lambda = d^-1.25, inside the paper's range).
-
-Size rule (``--preset tiny|small|medium`` = d 32/64/128; ``--d``, ``--d1``, ``--width-mult`` override):
-* d1 = 8d, m = 4d (``width_mult`` 4), K = 256 anchors per step, N = 8d shared negatives (256 at d = 32,
-  512 at d = 64); the paper fixes none of these numbers;
-* tau = log d (the paper: polylog d) and lambda = d^-1.75, below the paper's range [d^-1.499, d^-1.001]:
-  inside it the weights decay before stage III at small d (``paper_lambda``: d^-1.25);
-* eta = 2 at every d. We considered eta = 1 above d = 32 for stability, but the finite-K noise ratio it
-  would guard (SGD noise against signal growth of ||w||^2 in stage I), nu = 2 eta sigma^4 d1/(K p) =
-  16 eta log d/(K log log d), is 0.35 / 0.36 / 0.38 at d = 32 / 64 / 128 with eta = 2, K = 256: no worse
-  than the validated tiny config;
-* steps = 1000 S(d)/S(32) with S(d) = d log d/log log d, the d-dependence of the stage times T1, T2 =
-  Theta(d log d/(eta log log d)) at fixed eta (Wen & Li 2021, App. C and D.2): 1000 / 2093 / 4407 steps at
-  d = 32 / 64 / 128.
+Size rule (``--preset tiny|small|medium`` = d 32/64/128; ``--d``, ``--d1``, ``--width-mult`` override; its
+sources and the choice of eta: docs/methods/contrastive.md): d1 = 8d, m = 4d, K = 256 anchors per step,
+N = 8d shared negatives, tau = log d, lambda = d^-1.75 (below the paper's range, inside which the weights decay
+before stage III at small d), eta = 2, steps = 1000 S(d)/S(32) with S(d) = d log d/log log d (the
+d-dependence of the stage times, Wen & Li 2021, App. C and D.2): 1000 / 2093 / 4407 steps at d = 32 / 64 / 128.
 
 Usage:
     python -m featlearn.experiments.contrastive [--preset tiny] [--seed 0 1 2] [--settings a,b] [--threads 1]
@@ -62,8 +47,9 @@ from pathlib import Path
 
 import torch
 
-from featlearn.experiments.common import (CONFIGS, build, experiment_parser, markdown_table, mean_range,
-                                         parse_experiment_args, progress, quiet_lightning, write_results)
+from featlearn.experiments.common import (CONFIGS, experiment_parser, markdown_table, mean_range,
+                                         parse_experiment_args, quiet_lightning)
+from featlearn.experiments.study import Run, Study
 from featlearn.metrics.figures import bars_figure, heatmap_figure
 
 SETTINGS = sorted(p.stem for p in (CONFIGS / "contrastive").glob("*.yaml") if not p.name.startswith("data_"))
@@ -83,21 +69,13 @@ LAMBDA_EXPONENT = {"paper_lambda": -1.25}  # every other setting: -1.75
 
 # (column, summary key, format); undefined values (NaN) print as n/a
 COLUMNS = [
-    ("sparse frac", "weights/sparse_frac_mean", "{:.3f}"),
-    ("peak", "weights/sparse_frac_peak", "{:.3f}"),
-    ("singletons", "features/singletons", "{:.0f}"),
-    ("coverage", "features/coverage", "{:.3f}"),
-    ("b/||w||", "bias/ratio_mean", "{:.2f}"),
-    ("T1", "stage/T1", "{:.0f}"),
-    ("T2", "stage/T2", "{:.0f}"),
-    ("nMSE f(x)", "probe/reg_nmse", "{:.3f}"),
-    ("nMSE raw x", "probe/reg_nmse_raw", "{:.3f}"),
-    ("acc f(x)", "probe/cls_acc", "{:.3f}"),
-    ("acc raw x", "probe/cls_acc_raw", "{:.3f}"),
-    ("cos(f(x),f(Mz))", "repr/cos_fx_fMz", "{:.2f}"),
-    ("cos(f(x),f(xi))", "repr/cos_fx_fxi", "{:.2f}"),
-    ("fire rate", "act/fire_rate_raw", "{:.3f}"),
-    ("loss/uniform", "loss_normalized", "{:.3f}"),
+    ("sparse frac", "weights/sparse_frac_mean", "{:.3f}"), ("peak", "weights/sparse_frac_peak", "{:.3f}"),
+    ("singletons", "features/singletons", "{:.0f}"), ("coverage", "features/coverage", "{:.3f}"),
+    ("b/||w||", "bias/ratio_mean", "{:.2f}"), ("T1", "stage/T1", "{:.0f}"), ("T2", "stage/T2", "{:.0f}"),
+    ("nMSE f(x)", "probe/reg_nmse", "{:.3f}"), ("nMSE raw x", "probe/reg_nmse_raw", "{:.3f}"),
+    ("acc f(x)", "probe/cls_acc", "{:.3f}"), ("acc raw x", "probe/cls_acc_raw", "{:.3f}"),
+    ("cos(f(x),f(Mz))", "repr/cos_fx_fMz", "{:.2f}"), ("cos(f(x),f(xi))", "repr/cos_fx_fxi", "{:.2f}"),
+    ("fire rate", "act/fire_rate_raw", "{:.3f}"), ("loss/uniform", "loss_normalized", "{:.3f}"),
 ]
 SWEEP_COLUMNS = ["d", "d1", "m", "steps", "sparse frac", "peak", "singletons", "coverage", "b/||w||", "T1",
                  "nMSE f(x)", "nMSE raw x"]
@@ -116,42 +94,42 @@ def size_rule(d: int, d1: int | None = None, width_mult: float = 4.0) -> dict:
             "tau": math.log(d), "steps": int(round(1000 * scale(d) / scale(32)))}
 
 
-def run_setting(name: str, out: Path, size: dict, seed: int = 0) -> tuple[dict, torch.Tensor]:
-    """Train ``configs/contrastive/<name>.yaml`` at ``size`` (logs in ``out/<name>_seed<seed>``), then test it.
+def run(name: str, size: dict, seed: int, folder: str = "") -> Run:
+    """The fit of ``configs/contrastive/<name>.yaml`` at ``size`` (logs in ``<out>/<folder><name>_seed<seed>``)."""
+    lam = size["d"] ** LAMBDA_EXPONENT.get(name, -1.75)
+    overrides = {"trainer.max_steps": size["steps"], "data.init_args.d": size["d"], "data.init_args.d1": size["d1"],
+                 "data.init_args.batch_size": size["K"], "data.init_args.num_negatives": size["N"],
+                 "model.init_args.width_mult": size["width_mult"], "model.init_args.lr": size["eta"],
+                 "model.init_args.weight_decay": lam, "model.init_args.temperature": size["tau"]}
+    if size.get("bias_reset_step") is not None:
+        overrides["model.init_args.bias_reset_step"] = size["bias_reset_step"]
+    return Run(f"contrastive/{name}.yaml", f"{folder}{name}_seed{seed}", overrides, seed=seed)
 
-    Returns its summary and its neuron x atom correlations (rows sorted by their atom, as in the heat maps).
-    """
+
+def collector(correlation: bool = False):
+    """A fit's result: the model tested (probes fitted on the val split, scored on the test split), its summary,
+    the normalized final loss and, with ``correlation``, its neuron x atom correlations (rows sorted by atom)."""
     t0 = time.time()
-    d = size["d"]
-    lam = d ** LAMBDA_EXPONENT.get(name, -1.75)
-    reset = size.get("bias_reset_step")
-    extra = ["--model.init_args.bias_reset_step", str(reset)] if reset is not None else []
-    cli = build(f"contrastive/{name}.yaml", out, f"{name}_seed{seed}", "--trainer.max_steps", str(size["steps"]),
-                "--seed_everything", str(seed), "--data.init_args.seed", str(seed),
-                "--model.init_args.seed", str(seed), "--data.init_args.d", str(d),
-                "--data.init_args.d1", str(size["d1"]), "--data.init_args.batch_size", str(size["K"]),
-                "--data.init_args.num_negatives", str(size["N"]),
-                "--model.init_args.width_mult", str(size["width_mult"]), "--model.init_args.lr", str(size["eta"]),
-                "--model.init_args.weight_decay", repr(lam), "--model.init_args.temperature", repr(size["tau"]),
-                *extra)
-    trainer, model, dm = cli.trainer, cli.model, cli.datamodule
-    trainer.fit(model, datamodule=dm)
-    trainer.test(model, datamodule=dm, verbose=False)  # probes fitted on the val split, scored on the test split
-    summary = model.summary()
-    # the final loss on fresh batches, normalized by its value at uniform logits (1 = nothing learned)
-    with torch.no_grad():
-        vals = []
-        for k in range(4):
-            idx = torch.arange(dm.batch_size, device=model.device) + (10 ** 9 + k * dm.batch_size)
-            loss, st = model.contrastive_loss(dm.batch(idx, "train"))
-            vals.append(float(loss) / st["uniform"])
-    summary["loss_normalized"] = sum(vals) / len(vals)
-    summary["wall_s"] = time.time() - t0
-    summary["raw_nmse_population"] = dm.raw_probe_nmse()
-    summary["lambda"] = float(model.lam)
-    # NaN marks "never happened" (T1, T2): stored as null so the tables print n/a
-    summary = {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in summary.items()}
-    return summary, model.heatmaps()["correlation"].cpu()
+
+    def collect(cli) -> dict:
+        trainer, model, dm = cli.trainer, cli.model, cli.datamodule
+        trainer.test(model, datamodule=dm, verbose=False)
+        summary = model.summary()
+        # the final loss on fresh batches, normalized by its value at uniform logits (1 = nothing learned)
+        with torch.no_grad():
+            vals = []
+            for k in range(4):
+                idx = torch.arange(dm.batch_size, device=model.device) + (10 ** 9 + k * dm.batch_size)
+                loss, st = model.contrastive_loss(dm.batch(idx, "train"))
+                vals.append(float(loss) / st["uniform"])
+        summary.update(loss_normalized=sum(vals) / len(vals), wall_s=time.time() - t0,
+                       raw_nmse_population=dm.raw_probe_nmse(), **{"lambda": float(model.lam)})
+        # NaN marks "never happened" (T1, T2): stored as null so the tables print n/a
+        summary = {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in summary.items()}
+        if correlation:
+            summary["correlation"] = model.heatmaps()["correlation"].cpu().tolist()
+        return summary
+    return collect
 
 
 def aggregate(per_seed: dict[int, dict]) -> dict[str, object]:
@@ -164,21 +142,25 @@ def label(name: str) -> str:
     return LABELS.get(name, name)
 
 
-def run_size(names: list[str], size: dict, seeds: list[int], out: Path) -> dict:
-    """All settings x seeds at one size; writes ``results.json`` / ``results.md`` and the figures in ``out``."""
+def run_size(study: Study, names: list[str], size: dict, seeds: list[int], folder: str = "") -> dict:
+    """All settings x seeds at one size; writes ``<folder>results.json`` / ``.md`` and the figures."""
     t0 = time.time()
-    runs, correlations = {name: {} for name in names}, {}
-    for name, seed in progress([(n, s) for n in names for s in seeds], f"d = {size['d']}"):
-        runs[name][seed], correlations[(name, seed)] = run_setting(name, out, size, seed)
+    (study.out / folder).mkdir(parents=True, exist_ok=True)
+    runs = {name: {seed: study.fit(run(name, size, seed, folder), collector((name, seed) == (names[0], seeds[0])))
+                   for seed in seeds} for name in names}
+    first = runs[names[0]][seeds[0]]
+    runs[names[0]][seeds[0]] = {k: v for k, v in first.items() if k != "correlation"}
     result = {"size": size, "seeds": seeds, "runs": runs, "total_wall_s": time.time() - t0}
-    first = (names[0], seeds[0])
-    heatmap = heatmap_figure(correlations[first], xlabel="atom j", ylabel="neuron i (sorted by its atom)", vmax=1.0,
-                             title=f"{label(first[0])}, seed {first[1]}: <w_i, M_j> / ||w_i||")
-    write_size_results(out, result, figures={"correlation": heatmap})
+    figures = {}
+    if "correlation" in first:  # not when the fit diverged
+        figures["correlation"] = heatmap_figure(
+            torch.tensor(first["correlation"]), xlabel="atom j", ylabel="neuron i (sorted by its atom)", vmax=1.0,
+            title=f"{label(names[0])}, seed {seeds[0]}: <w_i, M_j> / ||w_i||")
+    write_size_results(study, result, f"{folder}results", figures)
     return result
 
 
-def write_size_results(out: Path, result: dict, stem: str = "results", figures: dict | None = None) -> None:
+def write_size_results(study: Study, result: dict, stem: str = "results", figures: dict | None = None) -> None:
     """``<stem>.json`` / ``<stem>.md`` / ``<stem>_*.png``: the table of one size from a :func:`run_size` result,
     the bars of coverage and singleton share per setting, and the given ``figures``."""
     runs = {name: {int(s): r for s, r in per_seed.items()} for name, per_seed in result["runs"].items()}
@@ -187,24 +169,26 @@ def write_size_results(out: Path, result: dict, stem: str = "results", figures: 
     notes = size_notes(size, result["seeds"], runs) + f" Total wall time {result['total_wall_s']:.0f} s."
     bars = _feature_bars({name: per_seed.values() for name, per_seed in runs.items()},
                          f"d = {size['d']}, {len(result['seeds'])} seed(s): mean, bars min-max")
-    write_results(out, stem, {**result, "notes": notes},
+    study.write(stem, {**result, "notes": notes},
                   f"# Contrastive learning: RandomMask vs no augmentation at equal bias (d = {size['d']})\n\n"
                   f"{markdown_table(rows, [c for c, _, _ in COLUMNS])}\n\n{notes}",
                   figures={"features": bars, **(figures or {})})
 
 
 def _feature_bars(groups: dict, title: str):
-    """Coverage and singletons / m per group of runs (mean over the runs, min-max as error bars)."""
+    """Coverage and singletons / m per group of runs (mean over the runs, min-max as error bars; diverged runs
+    left out)."""
     values = {name: {"coverage": [r["features/coverage"] for r in group],
-                            "singletons / m": [r["features/singletons"] / r["m"] for r in group]}
-              for name, group in ((n, list(g)) for n, g in groups.items())}
+                     "singletons / m": [r["features/singletons"] / r["m"] for r in group]}
+              for name, group in ((n, [r for r in g if not r.get("diverged")]) for n, g in groups.items()) if group}
     means = {g: {k: sum(v) / len(v) for k, v in bars.items()} for g, bars in values.items()}
     ranges = {g: {k: (min(v), max(v)) for k, v in bars.items()} for g, bars in values.items()}
     return bars_figure(means, ylabel="fraction", title=title, errors=ranges)
 
 
 def size_notes(size: dict, seeds: list[int], runs: dict) -> str:
-    any_run = next(iter(next(iter(runs.values())).values()))
+    raw = next((f"{r['raw_nmse_population']:.3f}" for per_seed in runs.values() for r in per_seed.values()
+                if not r.get("diverged")), "n/a (every run diverged)")
     budget = ("set by --steps; the size rule gives " + str(size_rule(size["d"])["steps"]) if size.get("steps_override")
               else "rule: steps = 1000 S(d)/S(32), S(d) = d log d/log log d; see experiments/contrastive.py")
     clock = (f"at step {size['bias_reset_step']} in every run (--bias-reset-step)" if size.get("bias_reset_step")
@@ -218,7 +202,7 @@ def size_notes(size: dict, seeds: list[int], runs: dict) -> str:
             f"{clock}; cap (log d/sqrt d) ||w_i|| = "
             f"{math.log(size['d']) / math.sqrt(size['d']):.2f} ||w_i||); columns T1 and b/||w|| give what each run "
             f"got (the linear control detects T1 but keeps b = 0). Population nMSE of the best linear probe on "
-            f"raw x: sigma^2/(p+sigma^2) = {any_run['raw_nmse_population']:.3f}. Probes: fit on the val split, "
+            f"raw x: sigma^2/(p+sigma^2) = {raw}. Probes: fit on the val split, "
             f"scored on the test split.")
 
 
@@ -244,7 +228,7 @@ def _off_rule(size: dict) -> str:
     return "".join(f" [{p}]" for p in parts if p)
 
 
-def write_sweep(out: Path, results: list[dict], extra_notes: str = "") -> None:
+def write_sweep(study: Study, results: list[dict], extra_notes: str = "") -> None:
     seed_sets = sorted({tuple(r["seeds"]) for r in results}, key=len, reverse=True)
     notes = ("Each cell: mean (min-max) over the seeds counted in its row label. Size rule (experiments/contrastive.py): "
              "d1 = 8d, m = 4d, K = 256, N = 8d, eta = 2, tau = log d, lambda = d^-1.75, steps = 1000 S(d)/S(32) with "
@@ -258,12 +242,12 @@ def write_sweep(out: Path, results: list[dict], extra_notes: str = "") -> None:
     coverage = {}
     for res in sorted(results, key=lambda r: r["size"]["d"]):
         for name, per_seed in res["runs"].items():
-            values = [r["features/coverage"] for r in per_seed.values()]
+            values = [r["features/coverage"] for r in per_seed.values() if not r.get("diverged")] or [float("nan")]
             coverage.setdefault(name, {})[f"d = {res['size']['d']}{_off_rule(res['size'])}"] = sum(values) / len(values)
     figure = bars_figure(coverage, ylabel="atoms covered by singletons", title="mean over each row's seeds")
-    write_results(out, "sweep_d", {"sizes": results, "notes": notes},
-                  f"# Contrastive learning across d: coverage, singletons, sparse-energy fraction\n\n"
-                  f"{sweep_table(results)}\n\n{notes}", figures={"coverage": figure})
+    study.write("sweep_d", {"sizes": results, "notes": notes},
+                f"# Contrastive learning across d: coverage, singletons, sparse-energy fraction\n\n"
+                f"{sweep_table(results)}\n\n{notes}", figures={"coverage": figure})
 
 
 def _load(run_dir: Path) -> list[dict]:
@@ -340,21 +324,22 @@ def _refuse_bad_options(parser: argparse.ArgumentParser, args: argparse.Namespac
 
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
-    if args.combine:
+    if args.combine:  # no fits: the Study only chooses the output folder
         results = [r for p in args.combine for r in _load(p)]
-        write_sweep(args.out, results, f" Combined from {', '.join(map(str, args.combine))}.")
+        write_sweep(Study(args, "combine", fits=0), results, f" Combined from {', '.join(map(str, args.combine))}.")
         return results
     quiet_lightning()
-    results = []
-    for d in args.ds:
-        size = size_rule(d, args.d1, args.width_mult)
+    sizes = [size_rule(d, args.d1, args.width_mult) for d in args.ds]
+    for size in sizes:
         if args.steps is not None:
             size.update(steps=args.steps, steps_override=True)
         if args.bias_reset_step is not None:
             size["bias_reset_step"] = args.bias_reset_step
-        results.append(run_size(args.names, size, args.seed, args.out / f"d{d}" if args.sweep_d else args.out))
+    with Study(args, "contrastive fits", fits=len(sizes) * len(args.names) * len(args.seed)) as study:
+        results = [run_size(study, args.names, size, args.seed, f"d{size['d']}/" if args.sweep_d else "")
+                   for size in sizes]
     if args.sweep_d:
-        write_sweep(args.out, results)
+        write_sweep(study, results)
     return results
 
 

@@ -6,28 +6,26 @@
     python -m featlearn.experiments.mrp --preset k8 tiny k16 k32 --seed 0 1 2   # sizes
     python -m featlearn.experiments.mrp --k 12 --d 128 --m 5 --N 2000    # any size
 
-For every (size, mu, seed) it runs ``configs/mrp/teacher_student.yaml`` (pretraining, labels unused),
-fine-tunes the encoder with ``finetune.yaml`` on the labelled downstream set, trains ``supervised.yaml``
-from scratch on the same downstream set, and tests both on one test set split by view type.
+For every (size, mu, seed) it runs ``configs/mrp/teacher_student.yaml`` (pretraining, labels unused), fine-tunes the
+encoder with ``finetune.yaml`` on the labelled downstream set, trains ``supervised.yaml`` from scratch on the same
+downstream set, and tests both on one test set split by view type.
 
-Equal terms: both encoders share q, sigma0 and m (``shared`` in ``configs/mrp/experiment.yaml``); with
-``--grid`` each method is also run at every point of the same grid (``grid`` in the YAML: q values x lr
-scales of pretraining for MRP and of training for SL; shipped: q = 3, lr x 0.5, 1, 2) and the point with the
-best balanced validation accuracy (mean of multi- and single-view) is reported beside the shared one.
+Equal terms: both encoders share q, sigma0 and m (``shared`` in ``configs/mrp/experiment.yaml``); with ``--grid``
+each method is also run at every point of the same grid (``grid`` in the YAML: q values x lr scales of pretraining
+for MRP and of training for SL; shipped: q = 3, lr x 0.5, 1, 2) and the point with the best balanced validation
+accuracy (mean of multi- and single-view) is reported beside the shared one.
 
-Size rule (:func:`size_rule`): m = max(4, ceil(2.5 ln k)) kernels per class (the theory's polylog(k) <= m; with
-m = 4 at k = 10, 2 of 3 seeds lost a feature's lottery),
-N = 100 k pretraining and N2 = 50 k labelled samples (N2 >= k, Assumption 2); step sizes grow with k
-because every feature sits in about 1/k of the samples, so its gradient is Theta(eta / k) (Pan et al. 2023,
-Claim E.5): pretraining eta = k/2 and supervised eta = 2k, each times the grid's lr scale, and fine-tuning
-eta_1 = k/100, eta_2 = k (our values for Lemma G.1's eta_2 = Theta(k), eta_1 <= Theta(k), eta_1 << eta_2; not
-tuned: it is part of the MRP protocol whose pretraining is). Budgets: pretraining stops 200 steps after every
-feature is captured (at most 3000 + 300 k / 10 steps), fine-tuning 300 steps, supervised learning 1500 steps.
+Size rule (:func:`size_rule`): m = max(4, ceil(2.5 ln k)) kernels per class (polylog(k) <= m; at m = 4, k = 10, 2
+of 3 seeds lost a feature's lottery), N = 100 k pretraining and N2 = 50 k labelled samples (N2 >= k, Assumption 2).
+Every feature sits in about 1/k of the samples, so its gradient is Theta(eta / k) (Claim E.5) and step sizes grow
+with k: pretraining eta = k/2 and supervised eta = 2k, each times the grid's lr scale; fine-tuning eta_1 = k/100,
+eta_2 = k (our values for Lemma G.1's eta_2 = Theta(k), eta_1 << eta_2; not tuned, as pretraining is). Budgets:
+pretraining stops 200 steps after every feature is captured (at most 3000 + 30 k steps), fine-tuning 300 steps,
+supervised learning 1500 steps.
 
-Writes ``mrp_table.{md,json}`` (and, with several seeds, per-seed rows in the JSON) beside the logs, and the
-headline figures ``mrp_table_capture.png`` (share of features captured against the pretraining step, one curve
-per seed) and ``mrp_table_accuracy.png`` (test accuracy on multi- and single-view samples, MRP + fine-tuning
-against SL, bars at the mean over seeds with their min-max range).
+Writes ``mrp_table.{md,json}`` (per-seed rows in the JSON), ``mrp_table_capture.png`` (features captured against the
+pretraining step, a curve per seed) and ``mrp_table_accuracy.png`` (test accuracy per view, MRP + fine-tuning against
+SL, mean and min-max over seeds); ``<out>/study.json`` keeps each finished fit, so the same command resumes.
 """
 import argparse
 import math
@@ -37,15 +35,37 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-import yaml
 
-from featlearn.errors import DivergenceError
-from featlearn.experiments.common import (CONFIGS, build, experiment_parser, markdown_table, mean_range,
-                                         parse_experiment_args, progress, quiet_lightning, scalars, write_results)
+from featlearn.experiments.common import (CONFIGS, experiment_parser, markdown_table, mean_range,
+                                         parse_experiment_args, quiet_lightning, scalars)
+from featlearn.experiments.study import Run, Study, grid, load_settings
 from featlearn.metrics.figures import bars_figure, curves_figure
 
-SETTINGS = yaml.safe_load((CONFIGS / "mrp" / "experiment.yaml").read_text())
-DATA = yaml.safe_load((CONFIGS / "mrp" / "data_tiny.yaml").read_text())["init_args"]  # fixed data constants (s, C_p)
+
+@dataclass
+class Shared:  # the encoder both methods use, and the lr scale they run at beside the grid
+    q: int
+    sigma0: float
+    lr_scale: float
+
+
+@dataclass
+class Grid:  # q values x lr scales of pretraining (MRP) and of training (SL)
+    q: list[int]
+    lr_scale: list[float]
+
+
+@dataclass
+class Settings:  # configs/mrp/experiment.yaml: named sizes, the shared encoder, the grid, the val/test sets
+    presets: dict[str, dict[str, int]]
+    shared: Shared
+    grid: Grid
+    eval_mu: float
+    num_val: int
+    num_test: int
+
+
+SETTINGS = load_settings(CONFIGS / "mrp" / "experiment.yaml", Settings)
 KNOBS = ("k", "d", "P", "m", "N", "N2")
 
 
@@ -57,10 +77,6 @@ class Size:
     m: int
     N: int
     N2: int
-
-    @property
-    def name(self) -> str:
-        return f"k={self.k} d={self.d} P={self.P} m={self.m} N={self.N} N2={self.N2}"
 
 
 def size_rule(k: int, d: int = 256, P: int = 16, m: int | None = None, N: int | None = None,
@@ -83,117 +99,93 @@ def step_sizes(size: Size, lr_scale: float) -> dict[str, float]:
             "supervised": 2.0 * size.k * lr_scale}
 
 
-def _overrides(group: str, **values) -> list[str]:
-    """Command-line overrides ``--<group>.init_args.<key> <value>`` of a config."""
-    return [arg for key, value in values.items() for arg in (f"--{group}.init_args.{key}", str(value))]
-
-
-def _data_overrides(size: Size, mu: float, seed: int) -> list[str]:
-    return ["--seed_everything", str(seed), *_overrides(
-        "data", k=size.k, d=size.d, P=size.P, num_pretrain=size.N, num_downstream=size.N2, mu=mu,
-        eval_mu=SETTINGS["eval_mu"], num_val=SETTINGS["num_val"], num_test=SETTINGS["num_test"], seed=seed)]
+def _settings(size: Size, mu: float, **model) -> dict:
+    """The overrides of one run: the data at this size and mu, and ``model``'s arguments."""
+    data = dict(k=size.k, d=size.d, P=size.P, num_pretrain=size.N, num_downstream=size.N2, mu=mu,
+                eval_mu=SETTINGS.eval_mu, num_val=SETTINGS.num_val, num_test=SETTINGS.num_test)
+    return {**{f"data.init_args.{k}": v for k, v in data.items()},
+            **{f"model.init_args.{k}": v for k, v in {**model, "m": size.m}.items()}}
 
 
 def _encoder_row(metrics: dict) -> dict:
     """The capture columns, from a trained module's final theory metrics."""
-    return {
-        "features captured": metrics["frac_captured"],
-        "classes with both features": metrics["classes_both"],
-        "pure / same-class / cross-class kernels": " / ".join(
-            str(int(metrics[f"kernels/{kind}"])) for kind in ("pure", "sameclass", "crossclass")),
-    }
+    return {"features captured": metrics["frac_captured"], "classes with both features": metrics["classes_both"],
+            "pure / same-class / cross-class kernels": " / ".join(
+                str(int(metrics[f"kernels/{kind}"])) for kind in ("pure", "sameclass", "crossclass"))}
 
 
-def _evaluate(cli) -> dict:
+def _classifier_row(cli, start: float) -> dict:
+    """A fine-tuned or supervised classifier's row: capture columns, val/test accuracy, steps, seconds."""
     val = scalars(cli.trainer.validate(cli.model, cli.datamodule, verbose=False)[0])
     test = scalars(cli.trainer.test(cli.model, cli.datamodule, verbose=False)[0])
-    return {"test acc multi-view": test["test/acc/multi"], "test acc single-view": test["test/acc/single"],
-            "val balanced acc": round((val["val/acc/multi"] + val["val/acc/single"]) / 2, 4)}
+    return {**_encoder_row(scalars(cli.model.final_metrics())),
+            "test acc multi-view": test["test/acc/multi"], "test acc single-view": test["test/acc/single"],
+            "val balanced acc": round((val["val/acc/multi"] + val["val/acc/single"]) / 2, 4),
+            "steps": cli.trainer.global_step, "seconds": round(time.time() - start, 1)}
 
 
-def _fit(config: str, out: Path, name: str, overrides: list[str]):
-    """Fit one config; a run the DivergenceGuard stops is returned as None (the grid point lost)."""
-    cli = build(config, out, name, *overrides)
-    try:
-        cli.trainer.fit(cli.model, cli.datamodule)
-    except DivergenceError as error:
-        print(f"{name}: {error}".splitlines()[0])
-        return None
-    return cli
+def _pretrain_row(cli, start: float) -> dict:
+    """The pretraining row, and (``_checkpoint``, ``_seconds``) what its fine-tuning needs."""
+    metrics = scalars(cli.model.final_metrics())
+    return {**_encoder_row(metrics), "steps": cli.trainer.global_step,
+            "all captured by step": int(metrics["first_capture/max"]) if metrics["frac_captured"] == 1 else None,
+            "first capture steps": cli.model.first_capture_step.tolist(),
+            "_checkpoint": str(Path(cli.trainer.checkpoint_callback.last_model_path).resolve()),  # final state
+            "_seconds": time.time() - start}
 
 
-def mrp(out: Path, size: Size, mu: float, seed: int, q: int, sigma0: float, lr_scale: float) -> dict:
+def mrp(study: Study, size: Size, mu: float, seed: int, q: int, sigma0: float, lr_scale: float) -> dict:
     """Pretrain and fine-tune: the pretraining row and the fine-tuning row of the table."""
-    start, lrs = time.time(), step_sizes(size, lr_scale)
-    tag = f"q{q}_lr{lr_scale:g}"
-    data = _data_overrides(size, mu, seed)
-    pre = _fit("mrp/teacher_student.yaml", out, f"pretrain_{tag}", [
-        *data, *_overrides("model", q=q, sigma0=sigma0, m=size.m, lr=lrs["pretrain"]),
-        "--trainer.max_steps", str(3000 + 30 * size.k)])
-    if pre is None:
-        return {"pretrain": {"diverged": True}, "finetune": {"diverged": True}}
-    metrics = scalars(pre.model.final_metrics())
-    pretrain = {**_encoder_row(metrics), "steps": pre.trainer.global_step,
-                "all captured by step": int(metrics["first_capture/max"]) if metrics["frac_captured"] == 1 else None,
-                "first capture steps": pre.model.first_capture_step.tolist()}
-    ckpt = Path(pre.trainer.checkpoint_callback.last_model_path).resolve()  # the final state of pretraining
-    ft = _fit("mrp/finetune.yaml", out, f"finetune_{tag}", [
-        *data, *_overrides("model", q=q, m=size.m, pretrained=ckpt, lr=lrs["finetune"], lr_head=lrs["head"])])
-    if ft is None:
-        return {"pretrain": pretrain, "finetune": {"diverged": True}}
-    finetune = {**_encoder_row(scalars(ft.model.final_metrics())), **_evaluate(ft),
-                "steps": ft.trainer.global_step, "seconds": round(time.time() - start, 1)}
+    start, lrs, name = time.time(), step_sizes(size, lr_scale), f"k{size.k}_mu{mu:g}/seed{seed}/%s_q{q}_lr{lr_scale:g}"
+    pre = study.fit(Run("mrp/teacher_student.yaml", name % "pretrain", {
+        **_settings(size, mu, q=q, sigma0=sigma0, lr=lrs["pretrain"]), "trainer.max_steps": 3000 + 30 * size.k},
+        seed=seed), lambda cli: _pretrain_row(cli, start))
+    if pre.get("diverged"):
+        return {"pretrain": pre, "finetune": {"diverged": True, "error": "pretraining diverged"}}
+    pretrain = {k: v for k, v in pre.items() if not k.startswith("_")}
+    start = time.time() - pre["_seconds"]
+    finetune = study.fit(Run("mrp/finetune.yaml", name % "finetune", _settings(
+        size, mu, q=q, pretrained=pre["_checkpoint"], lr=lrs["finetune"], lr_head=lrs["head"]), seed=seed),
+        lambda cli: _classifier_row(cli, start))
     return {"pretrain": pretrain, "finetune": finetune}
 
 
-def supervised(out: Path, size: Size, mu: float, seed: int, q: int, sigma0: float, lr_scale: float) -> dict:
+def supervised(study: Study, size: Size, mu: float, seed: int, q: int, sigma0: float, lr_scale: float) -> dict:
     """Supervised learning from scratch with the same encoder: its row of the table."""
     start = time.time()
-    sl = _fit("mrp/supervised.yaml", out, f"supervised_q{q}_lr{lr_scale:g}", [
-        *_data_overrides(size, mu, seed),
-        *_overrides("model", q=q, sigma0=sigma0, m=size.m, lr=step_sizes(size, lr_scale)["supervised"])])
-    if sl is None:
-        return {"diverged": True}
-    return {**_encoder_row(scalars(sl.model.final_metrics())), **_evaluate(sl),
-            "steps": sl.trainer.global_step, "seconds": round(time.time() - start, 1)}
+    return study.fit(Run("mrp/supervised.yaml", f"k{size.k}_mu{mu:g}/seed{seed}/supervised_q{q}_lr{lr_scale:g}",
+                         _settings(size, mu, q=q, sigma0=sigma0, lr=step_sizes(size, lr_scale)["supervised"]),
+                         seed=seed), lambda cli: _classifier_row(cli, start))
 
 
-def shared_point() -> dict:
-    """The settings every method runs at before (and besides) the grid."""
-    return {"q": SETTINGS["shared"]["q"], "lr_scale": SETTINGS["shared"]["lr_scale"]}
+def shared_point() -> dict:  # the settings every method runs at before (and beside) the grid
+    return {"q": SETTINGS.shared.q, "lr_scale": SETTINGS.shared.lr_scale}
 
 
 def grid_points() -> list[dict]:
-    grid = SETTINGS["grid"]
-    return [{"q": q, "lr_scale": s} for q in grid["q"] for s in grid["lr_scale"]]
+    return grid(**asdict(SETTINGS.grid))
 
 
 def _point(p: dict) -> str:
     return f"q={p['q']}, lr x{p['lr_scale']:g}"
 
 
-def _best(rows: list[tuple[dict, dict]]) -> tuple[dict, dict]:
-    """The (point, row) with the best balanced validation accuracy; diverged points lose."""
-    return max(rows, key=lambda pr: pr[1].get("val balanced acc", -1.0))
-
-
-def run(out: Path, size: Size, mu: float, seed: int, grid: bool) -> dict:
-    """All rows of one (size, mu, seed): shared settings, and with ``grid`` each method's best grid point."""
-    sigma0 = SETTINGS["shared"]["sigma0"]
+def run(study: Study, size: Size, mu: float, seed: int, with_grid: bool) -> dict:
+    """All rows of one (size, mu, seed): shared settings, and with ``with_grid`` each method's best grid point."""
+    sigma0 = SETTINGS.shared.sigma0
     point = shared_point()
-    both = mrp(out, size, mu, seed, sigma0=sigma0, **point)
-    rows = {"MRP pretraining": both["pretrain"], "MRP + fine-tuning": both["finetune"],
-            "SL from scratch": supervised(out, size, mu, seed, sigma0=sigma0, **point)}
-    for row in rows.values():
-        row["point"] = _point(point)
-    if grid:
+    both = mrp(study, size, mu, seed, sigma0=sigma0, **point)
+    rows = {name: {**row, "point": _point(point)} for name, row in (
+        ("MRP pretraining", both["pretrain"]), ("MRP + fine-tuning", both["finetune"]),
+        ("SL from scratch", supervised(study, size, mu, seed, sigma0=sigma0, **point)))}
+    if with_grid:
         mrp_rows, sl_rows = [], []
         for p in grid_points():
             same = p == point
-            mrp_rows.append((p, rows["MRP + fine-tuning"] if same else mrp(out, size, mu, seed, sigma0=sigma0, **p)["finetune"]))
-            sl_rows.append((p, rows["SL from scratch"] if same else supervised(out, size, mu, seed, sigma0=sigma0, **p)))
-        for name, (p, row) in (("MRP + fine-tuning, best of grid", _best(mrp_rows)),
-                               ("SL from scratch, best of grid", _best(sl_rows))):
+            mrp_rows.append((p, rows["MRP + fine-tuning"] if same else mrp(study, size, mu, seed, sigma0=sigma0, **p)["finetune"]))
+            sl_rows.append((p, rows["SL from scratch"] if same else supervised(study, size, mu, seed, sigma0=sigma0, **p)))
+        for name, points in (("MRP + fine-tuning, best of grid", mrp_rows), ("SL from scratch, best of grid", sl_rows)):
+            p, row = max(points, key=lambda pr: pr[1].get("val balanced acc", -1.0))  # best val; diverged lose
             rows[name] = {**row, "point": _point(p)}
         rows["grid"] = {"MRP + fine-tuning": [{**p, **r} for p, r in mrp_rows],
                         "SL from scratch": [{**p, **r} for p, r in sl_rows]}
@@ -202,8 +194,7 @@ def run(out: Path, size: Size, mu: float, seed: int, grid: bool) -> dict:
 
 COLUMNS = ["features captured", "classes with both features", "pure / same-class / cross-class kernels",
            "test acc multi-view", "test acc single-view", "val balanced acc", "all captured by step", "steps"]
-NUMERIC = ["features captured", "classes with both features", "test acc multi-view", "test acc single-view",
-           "val balanced acc", "all captured by step", "steps"]
+NUMERIC = [c for c in COLUMNS if c != "pure / same-class / cross-class kernels"]
 # Columns a row cannot have: "n/a" there, never an empty cell or a zero. Pretraining has no classifier;
 # the capture step belongs to pretraining alone.
 UNDEFINED = {"MRP pretraining": {"test acc multi-view", "test acc single-view", "val balanced acc"}}
@@ -244,19 +235,13 @@ def summarise(per_seed: dict[int, dict]) -> dict[str, dict]:
 def gap_line(per_seed: dict[int, dict]) -> str:
     """Paired single-view differences (MRP + fine-tuning minus SL, same seed and data) per seed."""
     def gaps(mrp_name, sl_name):
-        values = [rows[mrp_name].get("test acc single-view") for rows in per_seed.values()], \
-                 [rows[sl_name].get("test acc single-view") for rows in per_seed.values()]
-        return ", ".join("n/a" if a is None or b is None else f"{a - b:+.3f}" for a, b in zip(*values))
+        return ", ".join("n/a" if a is None or b is None else f"{a - b:+.3f}" for a, b in (
+            (rows[mrp_name].get("test acc single-view"), rows[sl_name].get("test acc single-view"))
+            for rows in per_seed.values()))
     line = f"shared settings {gaps('MRP + fine-tuning', 'SL from scratch')}"
     if "MRP + fine-tuning, best of grid" in next(iter(per_seed.values())):
         line += f"; best of grid {gaps('MRP + fine-tuning, best of grid', 'SL from scratch, best of grid')}"
     return line
-
-
-def table(groups: dict[str, dict[str, dict]]) -> str:
-    """One markdown table; a group per (size, mu), its rows per setting."""
-    rows = {f"{group}: {name}": row for group, settings in groups.items() for name, row in settings.items()}
-    return markdown_table(rows, ["point", *COLUMNS])
 
 
 def parse_args(argv=None) -> tuple[argparse.Namespace, list[Size]]:
@@ -264,7 +249,7 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, list[Size]]:
     and before the output folder is made."""
     parser = experiment_parser(__doc__, "runs/mrp")
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.add_argument("--preset", nargs="+", choices=sorted(SETTINGS["presets"]), default=None,
+    parser.add_argument("--preset", nargs="+", choices=sorted(SETTINGS.presets), default=None,
                         help="named sizes from configs/mrp/experiment.yaml (default tiny)")
     for knob in KNOBS:
         parser.add_argument(f"--{knob}", type=int, default=None, help=f"size knob {knob} (overrides the preset's)")
@@ -284,8 +269,11 @@ def _refuse_bad_options(parser: argparse.ArgumentParser, args: argparse.Namespac
         parser.error(f"--mu: must be in [0, 1], got {args.mu}")
     if args.k is not None and args.preset:
         parser.error("--k: give the size either with --k or with --preset, not both")
-    args.sizes = sizes = sizes_of(args)
-    smallest_P = DATA["C_p"] * (2 + 4 * DATA["s"])
+    knobs = {k: getattr(args, k) for k in KNOBS if k != "k" and getattr(args, k) is not None}
+    args.sizes = sizes = ([size_rule(args.k, **knobs)] if args.k is not None else
+                          [size_rule(**{**SETTINGS.presets[p], **knobs}) for p in (args.preset or ["tiny"])])
+    data = Run("mrp/teacher_student.yaml", "data").resolved()["data"]["init_args"]  # fixed constants (s, C_p)
+    smallest_P = data["C_p"] * (2 + 4 * data["s"])
     for size in sizes:
         for option, value, low, why in (("--k", size.k, 2, ""), ("--m", size.m, 1, ""), ("--N", size.N, 1, ""),
                                         ("--d", size.d, 2 * size.k, f" (2k for k = {size.k})"),
@@ -293,13 +281,6 @@ def _refuse_bad_options(parser: argparse.ArgumentParser, args: argparse.Namespac
                                         ("--N2", size.N2, size.k, f" (N2 >= k = {size.k}, Assumption 2)")):
             if value < low:
                 parser.error(f"{option}: must be at least {low:g}{why}, got {value}")
-
-
-def sizes_of(args) -> list[Size]:
-    knobs = {k: getattr(args, k) for k in KNOBS if k != "k" and getattr(args, k) is not None}
-    if args.k is not None:
-        return [size_rule(args.k, **knobs)]
-    return [size_rule(**{**SETTINGS["presets"][p], **knobs}) for p in (args.preset or ["tiny"])]
 
 
 def figures(results: list[dict]) -> dict:
@@ -330,23 +311,24 @@ def figures(results: list[dict]) -> dict:
                                     title="Test accuracy by view (mean, min-max over seeds)")}
 
 
-def report(out: Path, results: list[dict], command: str) -> dict[str, dict]:
+def report(study: Study, results: list[dict], command: str) -> dict[str, dict]:
     """Write ``mrp_table.{md,json}`` for the runs in ``results`` (one entry per (size, mu)) and print the table."""
     groups = {f"k={r['size']['k']}, mu={r['mu']:g}": summarise({int(s): rows for s, rows in r["per_seed"].items()})
               for r in results}
     for result, summary in zip(results, groups.values()):
         result["summary"] = summary
     gaps = "\n".join(f"- {group}: {gap_line(result['per_seed'])}" for group, result in zip(groups, results))
-    shared = SETTINGS["shared"]
-    notes = (f"`{command}`. Seeds {results[0]['seeds']}: mean (min-max) over seeds. Shared encoder q={shared['q']}, "
-             f"sigma0={shared['sigma0']}; grid {SETTINGS['grid']} (best = highest balanced validation accuracy). Sizes: "
-             + "; ".join(dict.fromkeys(Size(**r["size"]).name for r in results))
-             + f". Val/test: {SETTINGS['num_val']}/{SETTINGS['num_test']} samples, single-view share "
-               f"{SETTINGS['eval_mu']}. Kernels: capturing kernels holding one feature / both features of one class / "
+    notes = (f"`{command}`. Seeds {results[0]['seeds']}: mean (min-max) over seeds. Shared encoder q={SETTINGS.shared.q}, "
+             f"sigma0={SETTINGS.shared.sigma0}; grid {asdict(SETTINGS.grid)} (best = highest balanced validation accuracy). Sizes: "
+             + "; ".join(dict.fromkeys(" ".join(f"{k}={v}" for k, v in r["size"].items()) for r in results))
+             + f". Val/test: {SETTINGS.num_val}/{SETTINGS.num_test} samples, single-view share "
+               f"{SETTINGS.eval_mu}. Kernels: capturing kernels holding one feature / both features of one class / "
                "features of several classes (one entry per seed).")
-    write_results(out, "mrp_table", {"command": command, "settings": SETTINGS, "groups": results},
-                  f"{table(groups)}\n\nSingle-view test accuracy, MRP + fine-tuning minus SL, per seed:\n{gaps}\n\n{notes}",
-                  figures(results))
+    table = markdown_table({f"{group}: {name}": row for group, settings in groups.items()
+                            for name, row in settings.items()}, ["point", *COLUMNS])  # a group per (size, mu)
+    study.write("mrp_table", {"command": command, "settings": asdict(SETTINGS), "groups": results},
+                f"{table}\n\nSingle-view test accuracy, MRP + fine-tuning minus SL, per seed:\n{gaps}\n\n{notes}",
+                figures(results))
     return groups
 
 
@@ -354,15 +336,14 @@ def main(argv=None) -> dict:
     args, sizes = parse_args(argv)
     quiet_lightning()
     jobs = [(size, mu, seed) for size in sizes for mu in args.mu for seed in args.seed]
-    per_seed = {}
     fits = 3 * (1 + sum(p != shared_point() for p in grid_points())) if args.grid else 3  # pretrain, fine-tune, SL
-    for size, mu, seed in progress(jobs, "size x mu x seed", fits_per_item=fits):
-        per_seed[size, mu, seed] = run(args.out / f"k{size.k}_mu{mu:g}" / f"seed{seed}", size, mu, seed, args.grid)
+    with Study(args, "size x mu x seed", fits=len(jobs) * fits) as study:
+        per_seed = {(size, mu, seed): run(study, size, mu, seed, args.grid) for size, mu, seed in jobs}
     results = [{"size": asdict(size), "mu": mu, "seeds": args.seed,
                 "per_seed": {seed: per_seed[size, mu, seed] for seed in args.seed}}
                for size in sizes for mu in args.mu]
     command = "python -m featlearn.experiments.mrp " + " ".join(sys.argv[1:] if argv is None else argv)
-    return report(args.out, results, command)
+    return report(study, results, command)
 
 
 if __name__ == "__main__":

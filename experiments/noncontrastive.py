@@ -4,101 +4,98 @@ features diverse, does E21 rise and fall, does the loss reach OPT, and how do th
 ``python -m featlearn.experiments.noncontrastive [--preset demoA ...] [--dim D ...] [--num-patches P]
 [--seed S ...] [--lr ETA] [--steps T] [--out DIR] [--no-compile]``
 
-Built from ``configs/noncontrastive/experiment.yaml``: its ``variants`` (``with_head_population.yaml`` and
-``no_head_population.yaml``) give each variant's model (width, head, initialisation) and the demo-A data
-(our demo-A choice: P = 32, P0 = 8, alpha = (4, 2.7), noise std 1); its ``presets`` the sizes (``demoA``
-d = 100, ``demoA-d200``, ``demoA-d300``), and ``lr`` / ``flow_time_at_d100`` the step rule. ``--dim``
-replaces the presets' d (several give one row pair per d), ``--num-patches`` the data's P. Default seeds
-100..115.
+Built from ``configs/noncontrastive/experiment.yaml`` (:class:`Settings`): its ``variants``
+(``with_head_population.yaml``, ``no_head_population.yaml``) give each variant's model and the demo-A data
+(P = 32, P0 = 8, alpha = (4, 2.7), noise std 1), its ``presets`` the sizes (d = 100, 200, 300) and ``lr`` /
+``flow_time_at_d100`` the step rule. ``--dim`` replaces the presets' d, ``--num-patches`` the data's P.
+Default seeds 100..115.
 
-Dynamics: population gradient descent (the N = infinity limit of Wen & Li 2022, Algorithm 1), run by
-``featlearn.theory.noncontrastive.simulate_population`` with every seed and variant batched in one tensor.
-Each run starts from the W0 its config's ``NonContrastiveModule`` builds with ``init_seed=seed`` (W ~ N(0, I/d)
-from the data's counter-based RNG, lucky neuron first), so the variants pair up by seed. The simulator is
-the module's population mode step for step: ``test_lightning_population_mode_equals_simulator`` checks a
-``Trainer.fit`` trajectory against it to float64 rounding, with and without head.
+Each variant at each d is a :class:`~featlearn.experiments.study.Run` of its config; its fits, one per seed,
+are population gradient descent (Algorithm 1 with N = infinity) from the W0 the Run's model builds with
+``init_seed=seed`` (so the variants pair up by seed), all batched in one tensor by
+``featlearn.theory.noncontrastive.simulate_population``, which is the module's population mode step for step
+(``test_lightning_population_mode_equals_simulator``: to float64 rounding). Each size's results are kept in
+``<out>/study.json``, so the same command run again resumes.
 
-Step rule. Phase times grow like d^2/eta (Wen & Li 2022, Lemma B.13: T1 <= O(d^2/eta); Theorem E.2: end
-phase T4 - T3 = d^{2+o(1)}/eta), so the gradient-flow time is ``tau = eta * T = 5e4 (d/100)^2`` and
-``eta = eta_E = 0.2`` at every d (``T = 2.5e5 (d/100)^2`` steps). tau = 5e4 at d = 100 is 1e6 steps at
-eta = 0.05, the budget our demo-A runs needed for the partial runs to resolve. eta = 0.2 is on the
-gradient-flow path: at d = 100 over seeds 0..15 and 100..115, eta = 0.05, 0.1, 0.2 and 0.4 at the same tau
-end in the same outcome for every seed. Each table row also reports how many runs changed outcome in the
-second half of the budget (0 = the budget is long enough for the outcome) and how many ended within 1e-3 of
-OPT.
+Step rule: phase times grow like d^2/eta (Wen & Li 2022, Lemma B.13, Theorem E.2), so the flow time is
+``eta T = 5e4 (d/100)^2`` at ``eta = eta_E = 0.2`` (``T = 2.5e5 (d/100)^2`` steps; eta = 0.05 .. 0.4 at
+equal flow time give the same outcomes at d = 100). Theory (Thm 4.1 vs 4.3): with the head the neurons learn
+different features, E21 rises and falls, the loss reaches OPT; without it both collapse onto v1 (at finite d
+a neuron wins the feature with the larger alpha_l^6 |B_jl(0)|^4: :func:`race_rule`). See
+``docs/methods/noncontrastive.md``.
 
-Theory (Thm 4.1 vs 4.3, w.p. 1 - o(1) as d grows): with the head the two neurons learn different
-features, E21 rises and falls back to 0, the loss reaches OPT; without it both neurons collapse onto
-v1. At finite d some seeds collapse or stay partial with a head (the theorems hold with probability
-1 - o(1) only: when both neurons start close on v1, the lagging one learns v1 before E21 can substitute),
-and without a head a neuron wins whichever feature has the larger alpha_l^6 |B_jl(0)|^4 (:func:`race_rule`),
-so some seeds are diverse anyway.
-
-Writes ``noncontrastive.md`` / ``.json`` and the PNGs ``noncontrastive_E21_d<d>.png`` (E21 of the head runs,
-coloured by outcome) and ``noncontrastive_outcomes.png`` (DIV / COL / PAR with and without head).
+Writes ``noncontrastive.md`` / ``.json``, ``noncontrastive_E21_d<d>.png`` (E21 of the head runs by outcome) and
+``noncontrastive_outcomes.png`` (DIV / COL / PAR with and without head).
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import shlex
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
-import yaml
 
-from featlearn.experiments.common import (CONFIGS, build, resolved_config, experiment_parser, mean_range, parse_experiment_args,
-                                          progress, quiet_lightning, write_results)
+from featlearn.datamodules.two_feature_patches import TwoFeaturePatchDataModule
+from featlearn.experiments.common import (CONFIGS, experiment_parser, mean_range, parse_experiment_args,
+                                          quiet_lightning)
+from featlearn.experiments.study import Run, Study, load_settings
+from featlearn.lightning_modules.noncontrastive import NonContrastiveModule
 from featlearn.metrics.figures import bars_figure, curves_figure
 from featlearn.theory.noncontrastive import (PhaseTracker, feature_outcome, representation_correlation,
                                              simulate_population, substitution_ratio)
 
-SETTINGS = yaml.safe_load((CONFIGS / "noncontrastive" / "experiment.yaml").read_text())
+
+@dataclass
+class Preset:
+    """A named size (``--preset``)."""
+    dim: int
+
+
+@dataclass
+class Settings:
+    """``configs/noncontrastive/experiment.yaml``: variant name -> run config, sizes, eta, the step rule's flow time."""
+    variants: dict[str, str]
+    presets: dict[str, Preset]
+    lr: float
+    flow_time_at_d100: float
+
+
+SETTINGS = load_settings(CONFIGS / "noncontrastive" / "experiment.yaml", Settings)
 RISE = 0.05       # peak |E21| that counts as a rise
 FALL = 0.1        # final ||offdiag E|| <= FALL * its peak counts as the fall back to E = I
 AT_OPT = 1e-3     # final loss - OPT below this counts as converged to OPT
 CHUNK = 10        # compiled steps per call
 
 
-def step_rule(dim: int, lr: float = SETTINGS["lr"]) -> int:
+def step_rule(dim: int, lr: float = SETTINGS.lr) -> int:
     """Steps for flow time ``tau = 5e4 (d/100)^2`` at step size ``lr`` (module docstring).
 
     Example:
         >>> step_rule(100), step_rule(200)
         (250000, 1000000)
     """
-    return int(round(SETTINGS["flow_time_at_d100"] * (dim / 100) ** 2 / lr))
+    return int(round(SETTINGS.flow_time_at_d100 * (dim / 100) ** 2 / lr))
 
 
-def _data_args(config: str) -> dict:
-    """The data arguments a variant's config gives, as the CLI composes them."""
-    return resolved_config(f"noncontrastive/{config}")["data"]["init_args"]
+@functools.cache
+def variant_config(config: str) -> dict:
+    """A variant's config as it stands (model and data arguments), resolved as the CLI resolves it."""
+    return Run(f"noncontrastive/{config}", config).resolved()
 
 
-def variants(size: dict, args, out) -> dict:
-    """Variant name -> (model, data) built from its config at this size, eta = eta_E = ``args.lr``."""
-    over = ["--data.init_args.dim", str(size["dim"]), "--model.init_args.lr", str(args.lr),
-            "--model.init_args.head_lr", str(args.lr)]
-    if args.num_patches is not None:
-        over += ["--data.init_args.num_patches", str(args.num_patches)]
-    built = {}
-    for name, config in SETTINGS["variants"].items():
-        cli = build(f"noncontrastive/{config}", out, name, *over)
-        built[name] = (cli.model, cli.datamodule)
-    return built
-
-
-def initial_weights(model, dm, seeds) -> torch.Tensor:
-    """``[S, m, d]``: the W0 ``model``'s config builds with ``init_seed=seed``, for each seed."""
-    return torch.stack([type(model)(**{**model.hparams_initial, "init_seed": seed}).attach(dm).w.detach()
-                        for seed in seeds])
-
-
-def _median(xs):
-    xs = [x for x in xs if x is not None]
-    return int(statistics.median(xs)) if xs else None
+def variant_runs(dim: int, steps: int, args) -> dict[str, Run]:
+    """Variant name -> its Run at d = ``dim``, eta = eta_E = ``args.lr`` for ``steps`` steps. Seedless: population
+    GD draws nothing but W0, which each of its fits takes from the model's ``init_seed``."""
+    patches = {} if args.num_patches is None else {"data.init_args.num_patches": args.num_patches}
+    over = {"data.init_args.dim": dim, "model.init_args.lr": args.lr, "model.init_args.head_lr": args.lr,
+            "trainer.max_steps": steps, **patches}
+    return {name: Run(f"noncontrastive/{config}", f"d{dim}/{config.removesuffix('.yaml')}", over)
+            for name, config in SETTINGS.variants.items()}
 
 
 def race_rule(w0: torch.Tensor, dm) -> list[str]:
@@ -142,16 +139,15 @@ def summarise(name: str, out: dict, idx: list[int], dm, lr_ratio: float, has_hea
            "COL": outcomes.count("COL") / n, "PAR": outcomes.count("PAR") / n, "changed_2nd_half": changed,
            "final_loss": _round([g + opt for g in gap]), "OPT": opt, "at_OPT": sum(g < AT_OPT for g in gap),
            "abs_corr_f1f2": _round(corr), "outcomes": " ".join(outcomes)}
-    if has_head:
-        row.update(peak_E21=peak, rise_and_fall=sum(rise_fall) / n, final_offdiag=_round(off[-1].tolist()),
-                   rise_and_fall_and_DIV=sum(r and o == "DIV" for r, o in zip(rise_fall, outcomes)) / n)
-    else:
-        row.update(peak_E21=None, rise_and_fall=None, final_offdiag=None, rise_and_fall_and_DIV=None)
+    head_only = dict(peak_E21=peak, rise_and_fall=sum(rise_fall) / n, final_offdiag=_round(off[-1].tolist()),
+                     rise_and_fall_and_DIV=sum(r and o == "DIV" for r, o in zip(rise_fall, outcomes)) / n)
+    row.update(head_only if has_head else dict.fromkeys(head_only))
     row["race_rule_DIV"] = None if race is None else race.count("DIV") / n
     row["race_rule_agrees"] = None if race is None else sum(a == b for a, b in zip(race, outcomes))
     for key in ("T1", "T2", "T3", "T4"):
         defined = has_head or key == "T1"                   # T2..T4 are stages of the head's mechanism
-        row[f"median_{key}"] = _median([b[key] for b in bounds]) if defined else None
+        reached = [b[key] for b in bounds if b[key] is not None]
+        row[f"median_{key}"] = int(statistics.median(reached)) if defined and reached else None
         row[f"runs_reaching_{key}"] = sum(b[key] is not None for b in bounds) if defined else None
     return row
 
@@ -190,11 +186,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
             ]) + " |")
     lines += ["", "| d | variant | median T1 | median T2 | median T3 | median T4 |", "|---|---|---|---|---|---|"]
     for r in rows:
-        cells = []
-        for key in ("T1", "T2", "T3", "T4"):
-            v = r[f"median_{key}"]
-            cells.append("n/a" if r[f"runs_reaching_{key}"] is None else
-                         "-" if v is None else f"{v} ({r[f'runs_reaching_{key}']} runs)")
+        cells = ["n/a" if r[f"runs_reaching_{k}"] is None else "-" if r[f"median_{k}"] is None else
+                 f"{r[f'median_{k}']} ({r[f'runs_reaching_{k}']} runs)" for k in ("T1", "T2", "T3", "T4")]
         lines.append(f"| {r['dim']} | {r['variant']} | " + " | ".join(cells) + " |")
     lines += ["", f"DIV: the two neurons end on different features (|cos| >= 0.5); COL: both on one; PAR: one "
               f"unlearned. Rise+fall: peak |E21| >= {RISE} and final ||offdiag E||_F <= {FALL} x its peak. "
@@ -245,17 +238,17 @@ def _option(kind, ok, what: str):
 def parse_args(argv=None) -> argparse.Namespace:
     ap = experiment_parser(__doc__.split("\n")[0], "runs/noncontrastive")
     ap.set_defaults(seed=list(range(100, 116)))
-    ap.add_argument("--preset", nargs="+", default=["demoA"], choices=sorted(SETTINGS["presets"]),
+    ap.add_argument("--preset", nargs="+", default=["demoA"], choices=sorted(SETTINGS.presets),
                     help="sizes from configs/noncontrastive/experiment.yaml: demoA = d 100; demoA-d200 / demoA-d300 "
                          "(default demoA)")
     positive = "a finite number > 0"
-    p0 = _data_args(next(iter(SETTINGS["variants"].values())))["num_feature_patches"]
+    p0 = variant_config(next(iter(SETTINGS.variants.values())))["data"]["init_args"]["num_feature_patches"]
     ap.add_argument("--dim", type=_option(int, lambda v: v >= 4, ">= 4 (two features and noise room for two neurons)"),
                     nargs="+", help="d, replacing the presets' (several: one row pair each)")
     ap.add_argument("--num-patches", type=_option(int, lambda v: v % 2 == 0 and v > p0, f"even (two equal views) and "
                                                    f"> {p0} (the feature patches)"), help="P, replacing the data's")
-    ap.add_argument("--lr", type=_option(float, lambda v: 0 < v < math.inf, positive), default=SETTINGS["lr"],
-                    help=f"eta = eta_E (default {SETTINGS['lr']}, experiment.yaml)")
+    ap.add_argument("--lr", type=_option(float, lambda v: 0 < v < math.inf, positive), default=SETTINGS.lr,
+                    help=f"eta = eta_E (default {SETTINGS.lr}, experiment.yaml)")
     ap.add_argument("--steps", type=_option(int, lambda v: v > 0, positive),
                     help="steps at every size (default: the step rule, 2.5e5 (d/100)^2 at eta 0.2)")
     ap.add_argument("--records", type=_option(int, lambda v: v > 0, positive), default=500,
@@ -266,41 +259,47 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parse_experiment_args(ap, argv)
 
 
-def sizes(args) -> list[dict]:
-    dims = args.dim or [SETTINGS["presets"][name]["dim"] for name in args.preset]
-    return [{"dim": d} for d in dict.fromkeys(dims)]
-
-
-def run_size(size: dict, args) -> tuple[list[dict], dict, dict, dict]:
-    t0 = time.time()
-    (head_name, (head_model, dm)), (none_name, (none_model, none_dm)) = variants(size, args, args.out).items()
-    if dict(dm.hparams) != dict(none_dm.hparams):
-        raise ValueError("the variants of experiment.yaml must share their data (one batched simulation)")
+def run_size(study: Study, dim: int, args) -> dict:
+    """Both variants at d = ``dim`` over every seed, in one simulation: the table rows, the size's meta, the
+    kept E21 trajectories and the head runs' E21 by outcome (the figure)."""
     seeds, n = args.seed, len(args.seed)
-    steps = args.steps or step_rule(size["dim"], args.lr)
+    steps = args.steps or step_rule(dim, args.lr)
     record_every = max(CHUNK, steps // args.records // CHUNK * CHUNK)
-    w0 = torch.cat([initial_weights(head_model, dm, seeds), initial_weights(none_model, dm, seeds)])
-    out = simulate_population(w0, dm.features, dm.alphas, dm.probs, dm.num_patches, dm.num_feature_patches,
-                              dm.noise_std, steps=steps, lr=args.lr, head_lr=args.lr,
-                              head=[head_model.hparams.head] * n + [none_model.hparams.head] * n,
-                              record_every=record_every, compile=not args.no_compile, chunk=CHUNK, progress=True)
-    sim_s = time.time() - t0
-    rows = [summarise(head_name, out, list(range(n)), dm, 1.0, head_model.hparams.head != "none"),
-            summarise(none_name, out, list(range(n, 2 * n)), dm, 1.0, none_model.hparams.head != "none",
-                      race_rule(w0[n:], dm))]
-    meta = {"dim": size["dim"], "lr": args.lr, "steps": steps, "flow_time": args.lr * steps,
-            "record_every": record_every, "sim_s": round(sim_s, 1)}
-    # every 5th recorded point keeps the JSON small and still resolves the ~5% of the run E21 takes to fall
-    keep = slice(None, None, 5)
-    k = min(args.trajectory_seeds, n)
-    traj = {"dim": size["dim"], "steps": out["steps"][keep].tolist(),
-            "E21_by_seed": {str(seeds[i]): [round(float(x), 4) for x in out["E"][keep, i, 1, 0]] for i in range(k)}}
-    by_outcome: dict[str, list] = {}
-    for i, outcome in enumerate(rows[0]["outcomes"].split()):
-        by_outcome.setdefault(outcome, []).append(out["E"][:, i, 1, 0])
-    figure = curves_figure(out["steps"], dict(sorted(by_outcome.items())), xlabel="step", ylabel="E21",
-                           title=f"{head_name}, d = {size['dim']}: E21 per seed, by outcome")
-    return rows, meta, traj, figure
+    runs = variant_runs(dim, steps, args)
+    spec = {"runs": [run.spec() for run in runs.values()], "seeds": seeds, "record_every": record_every}
+
+    def simulate() -> dict:
+        t0 = time.time()
+        (head_name, none_name), (head, none) = runs, [run.resolved() for run in runs.values()]
+        if head["data"] != none["data"]:
+            raise ValueError("the variants of experiment.yaml must share their data (one batched simulation)")
+        dm = TwoFeaturePatchDataModule(**head["data"]["init_args"])
+        heads = [config["model"]["init_args"]["head"] for config in (head, none)]
+        # [2S, m, d]: the W0 each variant's model builds with init_seed = seed, head runs first
+        w0 = torch.stack([NonContrastiveModule(**{**config["model"]["init_args"], "init_seed": seed}).attach(dm).w
+                          for config in (head, none) for seed in seeds]).detach()
+        out = simulate_population(w0, dm.features, dm.alphas, dm.probs, dm.num_patches, dm.num_feature_patches,
+                                  dm.noise_std, steps=steps, lr=args.lr, head_lr=args.lr,
+                                  head=[h for h in heads for _ in seeds], record_every=record_every,
+                                  compile=not args.no_compile, chunk=CHUNK, progress=True)
+        sim_s = time.time() - t0
+        rows = [summarise(head_name, out, list(range(n)), dm, 1.0, heads[0] != "none"),
+                summarise(none_name, out, list(range(n, 2 * n)), dm, 1.0, heads[1] != "none",
+                          race_rule(w0[n:], dm))]
+        meta = {"dim": dim, "lr": args.lr, "steps": steps, "flow_time": args.lr * steps,
+                "record_every": record_every, "sim_s": round(sim_s, 1)}
+        # every 5th recorded point keeps the JSON small and still resolves the ~5% of the run E21 takes to fall
+        keep = slice(None, None, 5)
+        traj = {"dim": dim, "steps": out["steps"][keep].tolist(),
+                "E21_by_seed": {str(seeds[i]): [round(float(x), 4) for x in out["E"][keep, i, 1, 0]]
+                                for i in range(min(args.trajectory_seeds, n))}}
+        by_outcome: dict[str, list] = {}
+        for i, outcome in enumerate(rows[0]["outcomes"].split()):
+            by_outcome.setdefault(outcome, []).append(out["E"][:, i, 1, 0].tolist())
+        return {"rows": rows, "meta": meta, "trajectory": traj, "steps": out["steps"].tolist(),
+                "E21_by_outcome": dict(sorted(by_outcome.items()))}
+
+    return study.compute(f"d{dim}", spec, simulate, fits=len(spec["seeds"]) * len(spec["runs"]))
 
 
 def main(argv=None) -> dict:
@@ -308,19 +307,22 @@ def main(argv=None) -> dict:
     quiet_lightning()
     t0 = time.time()
     rows, size_meta, trajs, figures = [], [], [], {}
-    for size in progress(sizes(args), "sizes"):
-        r, m, tr, fig = run_size(size, args)
-        rows += r
-        size_meta.append(m)
-        trajs.append(tr)
-        figures[f"E21_d{m['dim']}"] = fig
-    variant = resolved_config(f"noncontrastive/{next(iter(SETTINGS['variants'].values()))}")
+    dims = dict.fromkeys(args.dim or [SETTINGS.presets[name].dim for name in args.preset])
+    with Study(args, "fits", fits=2 * len(args.seed) * len(dims)) as study:
+        for dim in dims:
+            size = run_size(study, dim, args)
+            rows += size["rows"]
+            size_meta.append(size["meta"])
+            trajs.append(size["trajectory"])
+            figures[f"E21_d{dim}"] = curves_figure(size["steps"], size["E21_by_outcome"], xlabel="step", ylabel="E21",
+                                                   title=f"{rows[-2]['variant']}, d = {dim}: E21 per seed, by outcome")
+    variant = variant_config(next(iter(SETTINGS.variants.values())))
     data = variant["data"]["init_args"]
     meta = {"num_patches": args.num_patches or data["num_patches"], "num_feature_patches": data["num_feature_patches"],
             "alphas": data["alphas"], "noise_std": data["noise_std"], "width": variant["model"]["init_args"]["width"],
             "seeds": seed_ranges(args.seed),
             "step_rule": ("steps fixed by --steps" if args.steps else
-                          f"eta = eta_E = {args.lr}, steps = {SETTINGS['flow_time_at_d100']:g} (d/100)^2 / eta"),
+                          f"eta = eta_E = {args.lr}, steps = {SETTINGS.flow_time_at_d100:g} (d/100)^2 / eta"),
             "mode": "population GD", "compile": not args.no_compile, "threads": args.threads,
             "wall_s": round(time.time() - t0, 1), "sizes": size_meta,
             "command": shlex.join(["python", "-m", "featlearn.experiments.noncontrastive",
@@ -328,7 +330,7 @@ def main(argv=None) -> dict:
     figures["outcomes"] = bars_figure({f"d={r['dim']}, {r['variant']}": {c: r[c] for c in ("DIV", "COL", "PAR")}
                                        for r in rows}, ylabel="fraction of runs", title="outcome per variant")
     result = {"meta": meta, "rows": rows, "E21_trajectories": trajs}
-    write_results(args.out, "noncontrastive", result, markdown(rows, meta), figures)
+    study.write("noncontrastive", result, markdown(rows, meta), figures)
     return result
 
 

@@ -32,25 +32,62 @@ the end, with the centres) and the test accuracies against the paper's (``two_la
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import shlex
 import sys
 import time
+from dataclasses import dataclass, field
 
-import yaml
-
-from featlearn.experiments.common import (CONFIGS, build, experiment_parser, mean_range, parse_experiment_args,
-                                          progress, quiet_lightning, write_results)
+from featlearn.experiments.common import (CONFIGS, experiment_parser, mean_range, parse_experiment_args,
+                                          quiet_lightning)
+from featlearn.experiments.study import Run, Study, load_settings
+from featlearn.lightning_modules.two_layer import draw_neurons
 from featlearn.metrics.figures import bars_figure
 
-SETTINGS = yaml.safe_load((CONFIGS / "two_layer" / "experiment.yaml").read_text())
 ROWS = ("Train", "Test", "Cos")
 MOG_ROWS = ("Train", "Test", "Cos centres min", "Cos centres mean")
 
 
-def methods_of(setting: dict) -> dict:
-    """The columns a table setting runs (its ``methods`` key names a block of experiment.yaml)."""
-    return SETTINGS[setting.get("methods", "methods")]
+@dataclass
+class Method:
+    """A column: its run config (``configs/two_layer/``), the model class replacing the config's
+    (``model``, a class path) and whether the data keeps its input structure."""
+    config: str
+    model: str | None = None
+    structure: bool = True
+
+
+@dataclass
+class Setting:
+    """A table's setting: its data preset with ``dim`` and ``data_args`` on top, width m, steps T, and the
+    block of methods it runs."""
+    name: str
+    data: str
+    width: int
+    steps: int
+    dim: int | None = None
+    methods: str = "methods"
+    data_args: dict[str, int | float] = field(default_factory=dict)
+
+
+@dataclass
+class Settings:
+    """``configs/two_layer/experiment.yaml``."""
+    methods: dict[str, Method]
+    mog_methods: dict[str, Method]
+    lr3_grid: list[float]
+    reg3_mult: float
+    tables: dict[str, list[Setting]]
+    paper: dict[str, dict[str, list[float | None]]]
+
+
+SETTINGS = load_settings(CONFIGS / "two_layer" / "experiment.yaml", Settings)
+
+
+def methods_of(setting: Setting) -> dict[str, Method]:
+    """The columns a table setting runs (its ``methods`` names a block of experiment.yaml)."""
+    return getattr(SETTINGS, setting.methods)
 
 
 def _positive(kind, what="a finite number > 0"):
@@ -64,16 +101,16 @@ def _positive(kind, what="a finite number > 0"):
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = experiment_parser(__doc__.split("\n")[0], "runs/two_layer")
-    ap.add_argument("--table", choices=sorted(SETTINGS["tables"]), default="A1",
+    ap.add_argument("--table", choices=sorted(SETTINGS.tables), default="A1",
                     help="A1: parity d=500 (default); A2: interval; A3: parity d=100 and d=2000; MOG: the "
                          "Gaussian mixtures of Table A.6")
-    every = list(dict.fromkeys([*SETTINGS["methods"], *SETTINGS["mog_methods"]]))
+    every = list(dict.fromkeys([*SETTINGS.methods, *SETTINGS.mog_methods]))
     ap.add_argument("--methods", nargs="+", choices=every, metavar="METHOD",
-                    help="columns to run (default all of the table's: " + ", ".join(SETTINGS["methods"]) +
-                         "; MOG: " + ", ".join(SETTINGS["mog_methods"]) + ")")
-    ap.add_argument("--lr3-grid", type=_positive(float), nargs="+", default=SETTINGS["lr3_grid"],
+                    help="columns to run (default all of the table's: " + ", ".join(SETTINGS.methods) +
+                         "; MOG: " + ", ".join(SETTINGS.mog_methods) + ")")
+    ap.add_argument("--lr3-grid", type=_positive(float), nargs="+", default=SETTINGS.lr3_grid,
                     help=f"multipliers of the stage-3 step size tried for every method that takes stage-3 "
-                         f"steps (default {SETTINGS['lr3_grid']})")
+                         f"steps (default {SETTINGS.lr3_grid})")
     ap.add_argument("--num-train", type=_positive(int, "an integer > 0"),
                     help="training samples (default the preset's 50,000)")
     ap.add_argument("--width", type=_positive(int, "an integer > 0"), help="m, replacing the table's")
@@ -83,7 +120,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     def check(parser, args):
         if args.steps is not None and args.steps < 3:
             parser.error(f"--steps: must be an integer > 2 (two schedule steps, then minibatches), got {args.steps}")
-        available = list(dict.fromkeys(m for st in SETTINGS["tables"][args.table] for m in methods_of(st)))
+        available = list(dict.fromkeys(m for st in SETTINGS.tables[args.table] for m in methods_of(st)))
         if args.methods is None:
             args.methods = available
         elif set(args.methods) - set(available):
@@ -92,65 +129,95 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parse_experiment_args(ap, argv, check=check)
 
 
-def run_one(setting: dict, method: dict, seed: int, lr3: float, args, name: str):
-    """Train one method at one setting and seed; returns (model, datamodule, metrics)."""
-    over = ["--data", str(CONFIGS / "two_layer" / setting["data"]), "--seed_everything", str(seed),
-            "--data.init_args.seed", str(seed), "--model.init_args.width", str(args.width or setting["width"]),
-            "--trainer.max_steps", str(args.steps or setting["steps"]), "--trainer.limit_val_batches", "0",
-            "--model.init_args.lr3_mult", str(lr3), "--model.init_args.reg3_mult", str(SETTINGS["reg3_mult"]),
-            "--heatmap.every_n_steps", str(10 ** 9)]
-    if "dim" in setting:
-        over += ["--data.init_args.dim", str(setting["dim"])]
-    for key, value in setting.get("data_args", {}).items():
-        over += [f"--data.init_args.{key}", str(value)]
-    if "mode" in method:
-        over += ["--model.init_args.mode", method["mode"]]
+def run_of(setting: Setting, method: Method, seed: int, lr3: float, args, name: str) -> Run:
+    """One method at one setting, seed and stage-3 step-size multiplier (no validation during the fit:
+    :func:`collect` scores the whole splits at the end)."""
+    over = {"data": CONFIGS / "two_layer" / setting.data, "model.init_args.width": args.width or setting.width,
+            "trainer.max_steps": args.steps or setting.steps, "trainer.limit_val_batches": 0,
+            "model.init_args.lr3_mult": lr3, "model.init_args.reg3_mult": SETTINGS.reg3_mult,
+            "heatmap.every_n_steps": 10 ** 9}
+    if method.model is not None:
+        over["model"] = method.model
+    if setting.dim is not None:
+        over["data.init_args.dim"] = setting.dim
+    over.update({f"data.init_args.{key}": value for key, value in setting.data_args.items()})
     if args.num_train is not None:
-        over += ["--data.init_args.num_train", str(args.num_train)]
-    if method.get("structure") is False:
-        over += ["--data.init_args.structure", "false"]
-    cli = build(f"two_layer/{method['config']}", args.out, name, *over)
-    cli.trainer.fit(cli.model, cli.datamodule)
+        over["data.init_args.num_train"] = args.num_train
+    if not method.structure:
+        over["data.init_args.structure"] = False
+    return Run(f"two_layer/{method.config}", name, over, seed=seed)
+
+
+def collect(cli, neurons: bool = False) -> dict:
+    """A fit's accuracies in % (train, val, test) and CosSim (None for a method without feature learning,
+    the NTK: its features are the init's), whether its stage-3 step size matters, and with ``neurons`` the
+    network's MDS picture (:meth:`~featlearn.lightning_modules.two_layer.TwoLayerBase.neuron_picture`)."""
     model, dm = cli.model, cli.datamodule
     acc = {split: model.accuracy(dm.full(split)["x"], dm.full(split)["y"]) for split in ("train", "val", "test")}
-    final = model.final_metrics()
-    cos = None if model.mode == "ntk" else final["cos_final"]
-    res = {"train": 100 * acc["train"], "val": 100 * acc["val"], "test": 100 * acc["test"], "cos": cos}
+    final, own = model.final_metrics(), model.feature_learning
+    res = {"train": 100 * acc["train"], "val": 100 * acc["val"], "test": 100 * acc["test"],
+           "cos": final["cos_final"] if own else None}
     if "cos_centres_min" in final:
-        ntk = model.mode == "ntk"
-        res["cos_centres_min"] = None if ntk else final["cos_centres_min"]
-        res["cos_centres_mean"] = None if ntk else final["cos_centres_mean"]
-    return model, dm, res
+        res["cos_centres_min"] = final["cos_centres_min"] if own else None
+        res["cos_centres_mean"] = final["cos_centres_mean"] if own else None
+    return {"result": res, "tunes_lr3": model.tunes_lr3, "neurons": model.neuron_picture() if neurons else None}
 
 
-def run_setting(setting: dict, args) -> tuple[dict, dict]:
+@functools.lru_cache(maxsize=None)
+def tunes_lr3(config: str, model: str | None) -> bool:
+    """Whether a method's stage-3 step size matters (not for a probe's readout solved exactly), from its
+    resolved config: to count the fits before running them."""
+    over = {} if model is None else {"model": model}
+    init = Run(f"two_layer/{config}", "", over).resolved()["model"]["init_args"]
+    return init.get("readout", "schedule") != "best"
+
+
+def tune(study: Study, setting: Setting, label: str, args) -> tuple[float, dict]:
+    """The lr3 multiplier of ``args.lr3_grid`` with the best validation accuracy on the first seed, and
+    every trial's collected result (one trial for a method whose step size changes nothing)."""
+    method, first, trials = methods_of(setting)[label], args.seed[0], {}
+    for lr3 in args.lr3_grid:
+        run = run_of(setting, method, first, lr3, args, _slug(f"{setting.name}_{label}_lr{lr3}_s{first}"))
+        trials[lr3] = study.fit(run, functools.partial(collect, neurons=label == "Network"))
+        if not trials[lr3].get("tunes_lr3", True):  # a probe solved exactly: every step size gives the same fit
+            break
+    best = max(trials, key=lambda lr: trials[lr].get("result", {}).get("val", -1.0))
+    return best, trials
+
+
+def run_setting(study: Study, setting: Setting, args) -> tuple[dict, object]:
     """Per method: the chosen lr3 multiplier, the per-seed results and the tuning trials; the network's
     neuron figure of the first seed."""
     out, figure = {}, None
-    first = args.seed[0]
     methods = methods_of(setting)
-    for label in progress([m for m in args.methods if m in methods], setting["name"]):
-        method = methods[label]
-        trials = {}
-        for lr3 in args.lr3_grid:
-            model, _, res = run_one(setting, method, first, lr3, args, _slug(f"{setting['name']}_{label}_lr{lr3}_s{first}"))
-            trials[lr3] = (res, model)
-            if not model.tunes_lr3:  # a probe solved exactly: every step size gives the same fit
-                break
-        best = max(trials, key=lambda lr: trials[lr][0]["val"])
-        per_seed = {first: trials[best][0]}
+    for label in [m for m in args.methods if m in methods]:
+        best, trials = tune(study, setting, label, args)
+        tunes = trials[best].get("tunes_lr3", True)
+        per_seed = {args.seed[0]: _result(trials[best])}
         if label == "Network":
-            figure = trials[best][1].neuron_figure()
+            figure = draw_neurons(trials[best].get("neurons"))
         for seed in args.seed[1:]:
-            per_seed[seed] = run_one(setting, method, seed, best, args, _slug(f"{setting['name']}_{label}_s{seed}"))[2]
-        out[label] = {"lr3_mult": best if model.tunes_lr3 else None, "per_seed": per_seed,
-                      "trials": {str(lr): {k: v for k, v in r.items()} for lr, (r, _) in trials.items()}}
+            run = run_of(setting, methods[label], seed, best, args, _slug(f"{setting.name}_{label}_s{seed}"))
+            per_seed[seed] = _result(study.fit(run, collect))
+        out[label] = {"lr3_mult": best if tunes else None, "per_seed": per_seed,
+                      "trials": {str(lr): _result(r) for lr, r in trials.items()}}
     return out, figure
 
 
-def _preset_num_train(settings: list[dict]) -> int | str:
-    sizes = {yaml.safe_load((CONFIGS / "two_layer" / st["data"]).read_text())["init_args"]["num_train"]
-             for st in settings}
+def _result(collected: dict) -> dict:
+    """The table's numbers of a collected fit (a diverged one: its error)."""
+    return collected.get("result", collected)
+
+
+def count_fits(args) -> int:
+    grid, seeds = len(args.lr3_grid), len(args.seed) - 1
+    return sum((grid if tunes_lr3(method.config, method.model) else 1) + seeds for st in SETTINGS.tables[args.table]
+               for label, method in methods_of(st).items() if label in args.methods)
+
+
+def _preset_num_train(settings: list[Setting]) -> int | str:
+    sizes = {Run("two_layer/network.yaml", "", {"data": CONFIGS / "two_layer" / st.data}).resolved()
+             ["data"]["init_args"]["num_train"] for st in settings}
     return sizes.pop() if len(sizes) == 1 else "/".join(map(str, sorted(sizes)))
 
 
@@ -162,9 +229,9 @@ def cells(result: dict) -> dict[str, str]:
     seeds = list(result["per_seed"].values())
 
     def cos(key):
-        return "NA" if seeds[0].get(key) is None else mean_range([r[key] for r in seeds], "{:.3f}")
-    return {"Train": mean_range([r["train"] for r in seeds], "{:.1f}"),
-            "Test": mean_range([r["test"] for r in seeds], "{:.1f}"),
+        return "NA" if seeds[0].get(key) is None else mean_range([r.get(key) for r in seeds], "{:.3f}")
+    return {"Train": mean_range([r.get("train") for r in seeds], "{:.1f}"),
+            "Test": mean_range([r.get("test") for r in seeds], "{:.1f}"),
             "Cos": cos("cos"), "Cos centres min": cos("cos_centres_min"), "Cos centres mean": cos("cos_centres_mean")}
 
 
@@ -174,7 +241,7 @@ def markdown(results: dict, meta: dict) -> str:
     lines = [f"Shi 2024, Chapter 2, Table {meta['table']}: measured{'' if mog else ' (paper)'}. {meta['command']}", "",
              f"seeds {meta['seeds']}; n = {meta['num_train']} training samples; wall {meta['wall_s']} s. Same tuning "
              f"budget for every column that takes stage-3 steps: its step size chosen from x{meta['lr3_grid']} of "
-             f"the theory's on validation accuracy (seed {first}); lambda^(3..T) x{SETTINGS['reg3_mult']}." +
+             f"the theory's on validation accuracy (seed {first}); lambda^(3..T) x{SETTINGS.reg3_mult}." +
              ("" if mog else " One / Two Step: the best classifier on the frozen hidden layer, solved exactly "
                              "(L2-SVM, Newton; 'exact'), as the paper's 'best classifiers'."), ""]
     if mog:
@@ -184,7 +251,7 @@ def markdown(results: dict, meta: dict) -> str:
                         "worst (min) and mean (RF: the init's; NA for the NTK)."]
     for name, res in results.items():
         methods = list(res)
-        paper = SETTINGS["paper"].get(name, {})
+        paper = SETTINGS.paper.get(name, {})
         lines += [f"**{name}**", "", "| row | " + " | ".join(methods) + " |", "|---|" + "---|" * len(methods)]
         for i, row in enumerate(MOG_ROWS if mog else ROWS):
             row_cells = []
@@ -207,28 +274,30 @@ def main(argv=None) -> dict:
     quiet_lightning()
     t0 = time.time()
     results, figures = {}, {}
-    for setting in SETTINGS["tables"][args.table]:
-        res, fig = run_setting(setting, args)
-        results[setting["name"]] = res
-        if fig is not None:
-            figures[f"neurons_{_slug(setting['name'])}"] = fig
+    with Study(args, f"Table {args.table}", fits=count_fits(args)) as study:
+        for setting in SETTINGS.tables[args.table]:
+            res, fig = run_setting(study, setting, args)
+            results[setting.name] = res
+            if fig is not None:
+                figures[f"neurons_{_slug(setting.name)}"] = fig
     groups = {}
     for name, res in results.items():
-        paper = SETTINGS["paper"].get(name, {})
-        groups[f"{name} measured"] = {m: sum(r["test"] for r in res[m]["per_seed"].values()) / len(res[m]["per_seed"])
-                                      for m in res}
+        paper = SETTINGS.paper.get(name, {})
+        groups[f"{name} measured"] = {m: sum(r.get("test", math.nan) for r in res[m]["per_seed"].values())
+                                      / len(res[m]["per_seed"]) for m in res}
         if paper:
             groups[f"{name} paper"] = {m: paper[m][1] for m in res if m in paper}
     figures["accuracy"] = bars_figure(groups, ylabel="test accuracy (%)", title=f"Table {args.table}")
     from featlearn.experiments.noncontrastive import seed_ranges
     meta = {"table": args.table, "seeds": seed_ranges(args.seed), "lr3_grid": args.lr3_grid,
-            "num_train": args.num_train or _preset_num_train(SETTINGS["tables"][args.table]), "threads": args.threads, "wall_s": round(time.time() - t0, 1),
+            "num_train": args.num_train or _preset_num_train(SETTINGS.tables[args.table]), "threads": args.threads,
+            "wall_s": round(time.time() - t0, 1),
             "command": shlex.join(["python", "-m", "featlearn.experiments.two_layer",
                                    *(sys.argv[1:] if argv is None else argv)])}
     payload = {"meta": meta, "results": {name: {m: {**r, "per_seed": {str(s): v for s, v in r["per_seed"].items()}}
                                                 for m, r in res.items()} for name, res in results.items()},
-               "paper": {name: SETTINGS["paper"].get(name) for name in results}}
-    write_results(args.out, f"two_layer_{args.table}", payload, markdown(results, meta), figures)
+               "paper": {name: SETTINGS.paper.get(name) for name in results}}
+    study.write(f"two_layer_{args.table}", payload, markdown(results, meta), figures)
     return payload
 
 

@@ -22,11 +22,14 @@ Tables (``universality_c.md`` / ``.json``, ``universality_m.md`` / ``.json``, ``
 2. **m-sweep** at ``T = m_sweep.T``: test MSE on the target task and on another task, for the trained
    representations and, as reference rows, the closed-form ones, with two probes: ridge (lambda by leave-one-out
    on the m labels, one grid for every representation) and the paper's norm-constrained ERM
-   (``||u|| <= B_{phi,t}``, :func:`~featlearn.theory.universality.predictor_bound` on the closed form of the
-   representation's mode); with linear CKA between the trained representations on target-task inputs.
+   (``||u|| <= B_{phi,t}``, :func:`~featlearn.theory.universality_downstream.predictor_bound` on the closed
+   form of the representation's mode); with linear CKA between the trained representations on target-task
+   inputs.
 
 Settings in ``configs/universality/experiment.yaml``; ``--T``, ``--m``, ``--sweep-T``, ``--repeats``,
-``--gamma``, ``--steps`` override them. With several ``--seed`` values every cell is ``mean (min-max)``.
+``--gamma``, ``--steps`` override them. With several ``--seed`` values every cell is ``mean (min-max)``. Every
+fit goes through :class:`~featlearn.experiments.study.Study`: its measurements (and, at ``m_sweep.T``, its ``W``)
+are kept in ``<out>/study.json``, so the same command run again resumes.
 
 Usage:
     python -m featlearn.experiments.universality [--seed 0 1 2] [--T 2 4 8] [--gamma 1.0] [--threads 1]
@@ -34,77 +37,119 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import time
-from pathlib import Path
+from dataclasses import dataclass
 
 import torch
-import yaml
 
-from featlearn.experiments.common import (CONFIGS, build, experiment_parser, markdown_table, mean_range,
-                                         parse_experiment_args, progress, quiet_lightning, write_results)
+from featlearn.datamodules.hidden_representation import HiddenRepresentationDataModule
+from featlearn.experiments.common import (CONFIGS, experiment_parser, markdown_table, mean_range,
+                                         parse_experiment_args, quiet_lightning)
+from featlearn.experiments.study import Run, Study, load_settings
 from featlearn.lightning_modules.universality import contrastive_loss
 from featlearn.metrics.figures import curves_figure
 from featlearn.theory.universality import (MODES, closed_form_representation, contrastive_loss_closed_form,
-                                           downstream_errors, linear_cka, predicted_column_norms, predictor_bound,
-                                           private_overlap)
+                                           predicted_column_norms, private_overlap)
+from featlearn.theory.universality_downstream import downstream_errors, linear_cka, predictor_bound
 
-SETTINGS = yaml.safe_load((CONFIGS / "universality" / "experiment.yaml").read_text())
+
+@dataclass
+class CTable:
+    T: list[int]          # task counts of the c-table
+
+
+@dataclass
+class MSweep:
+    T: int                # the m-sweep reuses the runs at this T
+    m: list[int]          # labels per task
+    repeats: int          # labelled sets per m
+
+
+@dataclass
+class Settings:
+    """``configs/universality/experiment.yaml``."""
+    c_table: CTable
+    m_sweep: MSweep
+    loss_samples: int     # fresh pairs on which the final contrastive loss is measured
+
+
+SETTINGS = load_settings(CONFIGS / "universality" / "experiment.yaml", Settings)
 LABELS = {"universal": "universal", "specific": "specific (target task)",
           "cr": "contrastive regularisation (from the trained universal W*)",
           "cr_closed": "contrastive regularisation (from the closed-form W*)"}
 RUNS = tuple(LABELS)
 GROUPS = ("S", "P_target", "P_other", "U")
+SWEEP_KEYS = ("w", "predicted", "start", "other")  # kept for the m-sweep only (not in the c-table's JSON)
 
 
-def run_mode(mode: str, T: int, seed: int, out: Path, args, reference: str | None = None) -> dict:
-    """Train ``configs/universality/<mode>.yaml`` at ``T`` and ``seed``; returns its metrics, ``W``, the
-    column-norm prediction and the checkpoint path."""
-    t0 = time.time()
-    extra = ["--model.init_args.reference", reference] if reference else []
-    if mode.startswith("cr"):
-        extra += ["--model.init_args.gamma", repr(args.gamma)]
+def mode_run(mode: str, T: int, seed: int, args, reference: str | None = None) -> Run:
+    """``configs/universality/<mode>.yaml`` at ``T`` and ``seed`` (``cr_closed``: ``cr.yaml`` from the closed form)."""
+    cr = mode.startswith("cr")
+    overrides = {"data.init_args.T": T, "data.init_args.num_val": max(args.m),
+                 "model.init_args.probe_repeats": args.repeats}
+    if reference:
+        overrides["model.init_args.reference"] = reference
+    if cr:
+        overrides["model.init_args.gamma"] = args.gamma
     if args.steps is not None:
-        extra += ["--trainer.max_steps", str(args.steps if not mode.startswith("cr") else max(1, args.steps // 3))]
-    cli = build(f"universality/{mode.removesuffix('_closed')}.yaml", out, f"{mode}_T{T}_s{seed}", "--seed_everything", str(seed),
-                "--data.init_args.seed", str(seed), "--model.init_args.seed", str(seed), "--data.init_args.T", str(T),
-                "--data.init_args.num_val", str(max(args.m)), "--model.init_args.probe_repeats", str(args.repeats),
-                "--trainer.logger.init_args.name", f"{mode}_T{T}_s{seed}", *extra)
+        overrides["trainer.max_steps"] = max(1, args.steps // 3) if cr else args.steps
+    return Run(f"universality/{mode.removesuffix('_closed')}.yaml", f"{mode}_T{T}_s{seed}", overrides, seed=seed)
+
+
+def measure(cli, mode: str, sweep: bool, t0: float) -> dict:
+    """A fitted run's column norms against the prediction, its contrastive loss on fresh pairs against the
+    closed form, the private overlap and its checkpoint; with ``sweep``, also what the m-sweep needs (``W``, the
+    predicted norms per task, cr's start and the other task)."""
     model, dm = cli.model, cli.datamodule
-    cli.trainer.fit(model, datamodule=dm)
     c, p = model.column_norms(), model.predicted()
-    others = [t for t in range(T) if t != model.target]
+    others = [t for t in range(dm.T) if t != model.target]
     split = lambda v: {"S": v["S"], "P_target": v[f"P{model.target}"], "U": v["U"],  # noqa: E731
                        "P_other": sum(v[f"P{t}"] for t in others) / len(others) if others else None}
     with torch.no_grad():
-        idx = torch.arange(SETTINGS["loss_samples"], device=model.device) + 10 ** 9
+        idx = torch.arange(SETTINGS.loss_samples, device=model.device) + 10 ** 9
         batch = dm.sample(idx, "train")
         loss = float(contrastive_loss(model(batch["x"]), model(batch["x_pos"]), model.hparams.loss))
-    tasks = range(T) if mode == "universal" else [model.target]
+    tasks = range(dm.T) if mode == "universal" else [model.target]
     theory_loss = contrastive_loss_closed_form(p["S"], [p[f"P{t}"] for t in tasks], dm.s, dm.r, samples=100_000)
     overlap = private_overlap(model.w.detach(), dm.M, dm.groups, model.target)
-    return {"c": split(c), "c_theory": split(p), "loss": loss, "loss_theory": theory_loss, "overlap": overlap,
-            "model": model, "dm": dm, "ckpt": cli.trainer.checkpoint_callback.last_model_path,
-            "wall_s": time.time() - t0}
+    out = {"c": split(c), "c_theory": split(p), "loss": loss, "loss_theory": theory_loss, "overlap": overlap,
+           "ckpt": cli.trainer.checkpoint_callback.last_model_path, "wall_s": time.time() - t0}
+    if sweep:
+        out.update(w=model.w.detach().cpu().tolist(), predicted=p, other=model.other,
+                   start=model.start_norms[f"P{model.target}"] if mode == "cr" else None)
+    return out
 
 
-def m_sweep(runs: dict, args) -> dict:
+def fit_modes(study: Study, T: int, seed: int, args) -> dict:
+    """The four runs at ``T`` and ``seed`` (cr from the universal run's ``last.ckpt``), measured."""
+    runs = {}
+    for mode in RUNS:
+        reference = runs["universal"]["ckpt"] if mode == "cr" else None
+        collect = functools.partial(measure, mode=mode, sweep=T == args.sweep_T, t0=time.time())
+        runs[mode] = study.fit(mode_run(mode, T, seed, args, reference), collect)
+    return runs
+
+
+def sweep_data(T: int, seed: int, args) -> HiddenRepresentationDataModule:
+    """The universal run's data (the labelled and test samples are functions of its settings alone)."""
+    return HiddenRepresentationDataModule(**mode_run("universal", T, seed, args).resolved()["data"]["init_args"])
+
+
+def m_sweep(runs: dict, dm: HiddenRepresentationDataModule, args) -> dict:
     """Test MSE against m on the target and another task, for the trained and the closed-form representations,
-    and linear CKA between the trained ones; ``runs`` maps mode to :func:`run_mode`'s result at one T."""
-    model = runs["universal"]["model"]
-    dm = runs["universal"]["dm"]
-    reps = {mode: r["model"].w.detach().double().cpu() for mode, r in runs.items()}
-    start = runs["cr"]["model"].start_norms[f"P{dm.target_task}"] if "cr" in runs else None
-    for mode in MODES:
-        norms = predicted_column_norms(mode, dm.T, dm.s, dm.r, gamma=args.gamma if mode == "cr" else None,
-                                       target=dm.target_task)
-        reps[f"{mode} (closed form)"] = closed_form_representation(dm.groups, dm.M, norms)
+    and linear CKA between the trained ones; ``runs`` maps mode to :func:`measure`'s result at one T."""
+    reps = {mode: torch.tensor(r["w"], dtype=torch.float64) for mode, r in runs.items()}
     theory = {mode: predicted_column_norms(mode, dm.T, dm.s, dm.r, gamma=args.gamma if mode == "cr" else None,
                                            target=dm.target_task) for mode in MODES}
-    theory.update({rep: r["model"].predicted() for rep, r in runs.items()})  # cr: from its own start
-    out = {"errors": {}, "errors_erm": {}, "cka": {}, "cr_start": start, "erm_bound": {}}
+    for mode in MODES:
+        reps[f"{mode} (closed form)"] = closed_form_representation(dm.groups, dm.M, theory[mode])
+    theory.update({rep: r["predicted"] for rep, r in runs.items()})  # cr: from its own start
+    out = {"errors": {}, "errors_erm": {}, "cka": {}, "cr_start": runs["cr"]["start"] if "cr" in runs else None,
+           "erm_bound": {}}
     n = args.repeats * max(args.m)
-    for name, task in (("target", dm.target_task), ("other", model.other)):
+    for name, task in (("target", dm.target_task), ("other", runs["universal"]["other"])):
         train, test = dm.labeled(task, torch.arange(n), "val"), dm.labeled(task, torch.arange(4000), "test")
         for rep, W in reps.items():
             f_train, f_test = train["x"].double() @ W.t(), test["x"].double() @ W.t()
@@ -167,12 +212,12 @@ def m_table(sweeps: dict, ms: list[int], key: str = "errors") -> str:
 def parse_args(argv=None) -> argparse.Namespace:
     """The options; every bad value is refused, naming the option, before the output folder is made."""
     parser = experiment_parser(__doc__.split("\n")[0], "runs/universality")
-    parser.add_argument("--T", type=int, nargs="+", default=SETTINGS["c_table"]["T"],
-                        help=f"task counts of the c-table (default {SETTINGS['c_table']['T']})")
-    parser.add_argument("--sweep-T", type=int, default=SETTINGS["m_sweep"]["T"],
-                        help=f"T of the m-sweep (default {SETTINGS['m_sweep']['T']}; added to --T if missing)")
-    parser.add_argument("--m", type=int, nargs="+", default=SETTINGS["m_sweep"]["m"], help="labels per task")
-    parser.add_argument("--repeats", type=int, default=SETTINGS["m_sweep"]["repeats"],
+    parser.add_argument("--T", type=int, nargs="+", default=SETTINGS.c_table.T,
+                        help=f"task counts of the c-table (default {SETTINGS.c_table.T})")
+    parser.add_argument("--sweep-T", type=int, default=SETTINGS.m_sweep.T,
+                        help=f"T of the m-sweep (default {SETTINGS.m_sweep.T}; added to --T if missing)")
+    parser.add_argument("--m", type=int, nargs="+", default=SETTINGS.m_sweep.m, help="labels per task")
+    parser.add_argument("--repeats", type=int, default=SETTINGS.m_sweep.repeats,
                         help="labelled sets per m (test MSE averaged over them)")
     parser.add_argument("--gamma", type=float, default=1.0, help="trust-region radius of contrastive regularisation")
     parser.add_argument("--steps", type=int, help="pretraining steps (default: the configs'; cr runs a third)")
@@ -203,16 +248,14 @@ def main(argv=None) -> dict:
     quiet_lightning()
     t0 = time.time()
     results, sweeps = {}, {}
-    jobs = [(seed, T) for seed in args.seed for T in args.T]
-    for seed, T in progress(jobs, "T x seeds"):
-        runs = {"universal": run_mode("universal", T, seed, args.out, args)}
-        runs["specific"] = run_mode("specific", T, seed, args.out, args)
-        runs["cr"] = run_mode("cr", T, seed, args.out, args, reference=runs["universal"]["ckpt"])
-        runs["cr_closed"] = run_mode("cr_closed", T, seed, args.out, args)
-        if T == args.sweep_T:
-            sweeps[seed] = m_sweep(runs, args)
-        results.setdefault(seed, {})[T] = {mode: {k: v for k, v in r.items() if k not in ("model", "dm")}
-                                           for mode, r in runs.items()}
+    with Study(args, "T x seeds", fits=len(RUNS) * len(args.seed) * len(args.T)) as study:
+        for seed in args.seed:
+            for T in args.T:
+                runs = fit_modes(study, T, seed, args)
+                if T == args.sweep_T:
+                    sweeps[seed] = m_sweep(runs, sweep_data(T, seed, args), args)
+                results.setdefault(seed, {})[T] = {mode: {k: v for k, v in r.items() if k not in SWEEP_KEYS}
+                                                   for mode, r in runs.items()}
     wall = time.time() - t0
     ctext, crows = c_table(results, args.T)
     seeds = " ".join(map(str, args.seed))
@@ -222,11 +265,11 @@ def main(argv=None) -> dict:
              f"the universal run (its theory from that run's measured c_P_target) or from the closed-form W*. Private "
              f"overlap: cosine of the smallest principal angle between the target's private columns of W M and the "
              f"other tasks' (0 in the closed form; the theory's 'other tasks keep their weight' assumes 0). "
-             f"Loss: the multi-negative logistic loss on {SETTINGS['loss_samples']} fresh pairs (batch-mean negative), "
+             f"Loss: the multi-negative logistic loss on {SETTINGS.loss_samples} fresh pairs (batch-mean negative), "
              f"theory: E log(1 + exp(-(c_S Z + c_P Z_t))) at the predicted c. Total wall time {wall:.0f} s.")
-    write_results(args.out, "universality_c", {"results": results, "notes": notes},
-                  f"# Shi 2024, Chapter 7: column norms c = ||(W M)_:,j||^2 per group, measured vs theory\n\n"
-                  f"{ctext}\n\n{notes}")
+    study.write("universality_c", {"results": results, "notes": notes},
+                f"# Shi 2024, Chapter 7: column norms c = ||(W M)_:,j||^2 per group, measured vs theory\n\n"
+                f"{ctext}\n\n{notes}")
     mtext, etext = m_table(sweeps, args.m), m_table(sweeps, args.m, "errors_erm")
     bounds = next(iter(sweeps.values()))["erm_bound"]
     cka = {pair: mean_range([s["cka"][pair] for s in sweeps.values()]) for pair in next(iter(sweeps.values()))["cka"]}
@@ -247,11 +290,11 @@ def main(argv=None) -> dict:
                      for rep in ("universal", "specific", "cr") for task in ("target", "other")},
             xlabel="labels m", ylabel="test MSE", logx=True,
             title=f"{probe}, T = {args.sweep_T} (one curve per seed)")
-    write_results(args.out, "universality_m", {"sweeps": sweeps, "notes": mnotes},
-                  f"# Shi 2024, Chapter 7: downstream test MSE against m (target task and another task)\n\n"
-                  f"## Ridge, lambda by leave-one-out\n\n{mtext}\n\n"
-                  f"## Norm-constrained ERM, ||u|| <= B_phi,t\n\n{etext}\n\n{cka_text}\n\n{mnotes}",
-                  figures=figures)
+    study.write("universality_m", {"sweeps": sweeps, "notes": mnotes},
+                f"# Shi 2024, Chapter 7: downstream test MSE against m (target task and another task)\n\n"
+                f"## Ridge, lambda by leave-one-out\n\n{mtext}\n\n"
+                f"## Norm-constrained ERM, ||u|| <= B_phi,t\n\n{etext}\n\n{cka_text}\n\n{mnotes}",
+                figures=figures)
     return {"results": results, "sweeps": sweeps, "c_rows": crows, "wall_s": wall}
 
 

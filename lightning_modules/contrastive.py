@@ -50,7 +50,18 @@ from featlearn.metrics.probes import SplitBuffer, all_gather_cat
 from featlearn.theory.contrastive import EVAL_KEYS, downstream_metrics, feature_metrics, feature_scalars, grown_bias
 from featlearn.validation import NonNegativeFloat, PositiveFloat, PositiveInt, check_args, check_memory, int_at_least
 
-__all__ = ["ContrastiveModule"]
+__all__ = ["ContrastiveModule", "tags"]
+
+
+def tags(section: str, metrics: dict) -> dict:
+    """The logger's names of a metrics dict: ``<section>/<key>`` lower-cased (the module's own dicts keep their
+    keys, which tables and sweeps read).
+
+    Example:
+        >>> tags("theory", {"stage/T1": 3.0, "features/coverage": 1.0})
+        {'theory/stage/t1': 3.0, 'theory/features/coverage': 1.0}
+    """
+    return {f"{section}/{key.lower()}": value for key, value in metrics.items()}
 
 
 class ContrastiveModule(FeatureLearningModule):
@@ -219,11 +230,11 @@ class ContrastiveModule(FeatureLearningModule):
         if self._trainer is not None and self.theory_due():  # each self.log costs ~0.5 ms: only written steps
             # batch means over this rank's anchors: sync_dist averages them into the global batch's (equal B)
             self.log("train/loss", loss, sync_dist=True)
-            self.log("loss/normalized", loss / st["uniform"], prog_bar=True, sync_dist=True)
-            self.log("loss/objective", loss.detach() + 0.5 * self.lam * (self.w.detach() ** 2).sum(), sync_dist=True)
-            self.log_dict({"logits/p_pos_mean": st["p_pos"], "logits/uniform_dev": st["uniform_dev"],
-                           "act/fire_rate_anchor": st["fire_anchor"], "act/fire_rate_pos": st["fire_pos"],
-                           "act/fire_rate_neg": st["fire_neg"], "act/active_per_sample": st["active_per_sample"]},
+            self.log("train/loss_normalized", loss / st["uniform"], prog_bar=True, sync_dist=True)
+            self.log("train/objective", loss.detach() + 0.5 * self.lam * (self.w.detach() ** 2).sum(), sync_dist=True)
+            self.log_dict({"train/p_pos_mean": st["p_pos"], "train/uniform_dev": st["uniform_dev"],
+                           "train/fire_rate_anchor": st["fire_anchor"], "train/fire_rate_pos": st["fire_pos"],
+                           "train/fire_rate_neg": st["fire_neg"], "train/active_per_sample": st["active_per_sample"]},
                           sync_dist=True)
         return loss
 
@@ -252,7 +263,7 @@ class ContrastiveModule(FeatureLearningModule):
             if float((norm ** 2 / self.norm_T1.clamp_min(1e-30) ** 2).max()) >= self.d:
                 self.T2 = step
         if self._trainer is not None and self.theory_due():
-            self.log_dict(self.theory_metrics(), on_step=True, on_epoch=False)
+            self.log_dict(tags("theory", self.theory_metrics()), on_step=True, on_epoch=False)
             if self.global_step // self.trainer.log_every_n_steps % 4 == 0:  # every 4th theory step
                 self._log_histograms()
 
@@ -297,11 +308,12 @@ class ContrastiveModule(FeatureLearningModule):
         val = self._splits.take("val")
         half = len(val["x"]) // 2
         self.val_metrics = self.evaluate({k: v[:half] for k, v in val.items()}, {k: v[half:] for k, v in val.items()})
-        self.log_dict(self.val_metrics)
+        self.log_dict(tags("val", self.val_metrics))
 
     def on_test_epoch_end(self) -> None:
-        self.test_metrics = {**self.evaluate(self._splits.take("val"), self._splits.take("test")), **self.theory_metrics()}
-        self.log_dict(self.test_metrics, add_dataloader_idx=False)
+        scored, theory = self.evaluate(self._splits.take("val"), self._splits.take("test")), self.theory_metrics()
+        self.test_metrics = {**scored, **theory}
+        self.log_dict({**tags("test", scored), **tags("theory", theory)}, add_dataloader_idx=False)
 
     def evaluate(self, train: dict, test: dict) -> dict[str, float]:
         """Probes fitted on ``train`` and scored on ``test`` (dicts of a split), plus geometry metrics."""

@@ -80,7 +80,7 @@ class _MaskedPretraining(MultiViewEncoder):
             norms = self.weight.norm(dim=1, keepdim=True)
             self.weight.mul_((self.norm_cap / norms).clamp(max=1.0))
         self.record_capture(step)
-        self.log_theory("pretrain")
+        self.log_theory()
         if self.stop_after_capture is not None:
             # One host read per step, as the stop must come at the exact step; derived from the checkpointed
             # buffer, so a resumed run stops at the same step.
@@ -120,7 +120,7 @@ class TeacherStudentMRP(_MaskedPretraining):
 
     def training_step(self, batch, batch_idx):
         if self.theory_due():
-            self.log("pretrain/tau", self.tau())
+            self.log("train/tau", self.tau())  # the same on every rank: no sync
         return super().training_step(batch, batch_idx)
 
     def loss(self, batch) -> torch.Tensor:

@@ -116,7 +116,7 @@ class MultiViewClassifier(MultiViewEncoder):
 
     def finish_step(self, step: int) -> None:
         self.record_capture(step)
-        self.log_theory("encoder")
+        self.log_theory()
 
     def _evaluate(self, batch, stage: str) -> None:
         logits, y, single = self(batch["x"]), batch["y"], batch["single_view"]
@@ -127,7 +127,7 @@ class MultiViewClassifier(MultiViewEncoder):
                 metric = self.metrics[f"{stage}_{view}"]
                 metric.update(pred[keep], y[keep])
                 self.log(f"{stage}/acc/{view}", metric, on_epoch=True, prog_bar=view == "single")
-                self.log(f"{stage}/margin_mean/{view}", margin[keep].mean(), on_epoch=True)
+                self.log(f"{stage}/margin_mean/{view}", margin[keep].mean(), on_epoch=True, sync_dist=True)
                 if writer is not None:
                     writer.add_histogram(f"test/margin/{view}", margin[keep], self.global_step)
 

@@ -3,7 +3,8 @@
 ``h_r(X) = sum_p f(<w_r, x_p>)`` with ``km`` kernels and the smoothed ReLU ``f`` (power ``q``,
 threshold ``rho``), computed by :func:`featlearn.kernels.patch_activation_sum`. Every module of the
 method (teacher-student, MAE, fine-tuning, supervised baseline) derives from
-:class:`MultiViewEncoder`, so they all log the same theory metrics under ``<prefix>/``: the capture
+:class:`MultiViewEncoder`, so they all log the same theory metrics under ``theory/`` (lower-case: ``M0`` is
+``m0`` there): the capture
 statistics of :func:`featlearn.theory.mrp.capture_stats` (captured features, classes with both features,
 pure / same-class / cross-class kernels, lottery winners) every ``trainer.log_every_n_steps`` steps, and
 the buffer ``first_capture_step`` (first step each feature was captured, -1: not yet), updated every step
@@ -99,11 +100,12 @@ class MultiViewEncoder(FeatureLearningModule):
         stats["weight_norm/max"] = self.weight.detach().norm(dim=1).max()
         return stats
 
-    def log_theory(self, prefix: str) -> None:
-        """Log :meth:`theory_metrics` under ``prefix/`` on the steps where they are due."""
+    def log_theory(self) -> None:
+        """Log :meth:`theory_metrics` as ``theory/<name>`` (lower-case) on the steps where they are due; they
+        are computed from the weights, the same on every rank, so they need no sync."""
         if self.theory_due():
             stats = self.theory_metrics()
-            self.log_dict({f"{prefix}/{k}": v for k, v in stats.items()})
+            self.log_dict({f"theory/{k}": v for k, v in stats.items()})
             self.log("captured", stats["frac_captured"], prog_bar=True, logger=False)
 
     def final_metrics(self) -> dict[str, float]:

@@ -74,7 +74,8 @@ def noncontrastive_loss(f_online: torch.Tensor, g_target: torch.Tensor, head: to
 class NonContrastiveModule(FeatureLearningModule):
     """BYOL/SimSiam-style non-contrastive learner of Wen & Li 2022 (module docstring).
 
-    Theory metrics are logged every ``trainer.log_every_n_steps`` steps and kept in ``history``.
+    Theory metrics are logged every ``trainer.log_every_n_steps`` steps and kept in ``history``: ``train/loss``,
+    ``train/gap_to_opt``, ``theory/cos/<j>_<l>`` (cos(w_j, v_l)), ``theory/e/<j>_<q>`` (E[j, q]), ``theory/phase``, ...
 
     Args:
         width: m, number of neurons (theory: 2).
@@ -223,26 +224,29 @@ class NonContrastiveModule(FeatureLearningModule):
         if rho is not None:
             dev["rho"] = rho[:8]
         h = to_host(dev)
+        # neuron j, feature l and head entry E[j, q] (0-based) as qualifiers: theory/cos/0_1 = cos(w_0, v_1)
         out: dict[str, float] = {}
         for j in range(m if m <= 8 else 0):
-            out.update({f"feat/{key}_{j}_{ell}": float(h[key][j, ell]) for key in ("cos", "B") for ell in range(k)})
-            out.update({f"noise/R_{j}": float(h["R"][j]), f"norm/w_{j}": float(h["norm"][j])})
-            out.update({f"head/E_{j}_{q}": float(h["E"][j, q]) for q in range(m) if q != j})
-        out["head/offdiag_fro"] = float(h["off"])
-        out["head/asym_fro"] = float(h["asym"])
-        out["head/asym_ratio"] = out["head/asym_fro"] / max(out["head/offdiag_fro"], 1e-300)
-        out["repr/abs_corr_offdiag_mean"] = float(h["corr"]) if m > 1 else 0.0
+            out.update({f"theory/{key.lower()}/{j}_{ell}": float(h[key][j, ell]) for key in ("cos", "B")
+                        for ell in range(k)})
+            out.update({f"theory/r/{j}": float(h["R"][j]), f"theory/w_norm/{j}": float(h["norm"][j])})
+            out.update({f"theory/e/{j}_{q}": float(h["E"][j, q]) for q in range(m) if q != j})
+        out["theory/e_offdiag_fro"] = float(h["off"])
+        out["theory/e_asym_fro"] = float(h["asym"])
+        out["theory/e_asym_ratio"] = out["theory/e_asym_fro"] / max(out["theory/e_offdiag_fro"], 1e-300)
+        out["theory/abs_corr_offdiag_mean"] = float(h["corr"]) if m > 1 else 0.0
         if loss is not None:
             out["train/loss"] = float(h["loss"])
-            out["loss/gap_to_opt"] = out["train/loss"] - self.opt_loss
+            out["train/gap_to_opt"] = out["train/loss"] - self.opt_loss
         if rho is not None:
-            out.update({f"loss/rho_{j}": float(v) for j, v in enumerate(h["rho"])})
+            out.update({f"train/rho/{j}": float(v) for j, v in enumerate(h["rho"])})
         if self.tracker is not None:
             sr = substitution_ratio(h["B"], h["R"], h["E"], self.alphas[0], self.num_patches,
                                     self.num_feature_patches, self.noise_std, self.lead)
-            out["mech/subst_ratio"] = sr
-            out["phase/id"] = float(self.tracker.update(self.global_step_safe(), h["cos"], h["B"], h["R"], h["E"], sr))
-            out["phase/lead_neuron"] = float(self.lead)
+            out["theory/subst_ratio"] = sr
+            out["theory/phase"] = float(self.tracker.update(self.global_step_safe(), h["cos"], h["B"], h["R"], h["E"],
+                                                            sr))
+            out["theory/lead_neuron"] = float(self.lead)
         return out
 
     def global_step_safe(self) -> int:
@@ -256,7 +260,7 @@ class NonContrastiveModule(FeatureLearningModule):
         out = {"outcome": OUTCOME_CODES[feature_outcome(self.correlations())[0]], "final_loss": loss,
                "gap_to_opt": loss - self.opt_loss}
         if self.width >= 2:
-            out["peak_abs_E21"] = float(self.head_peak[1 if self.lead == 0 else 0, self.lead])
+            out["peak_abs_e21"] = float(self.head_peak[1 if self.lead == 0 else 0, self.lead])
         return out
 
     # --- Lightning hooks ------------------------------------------------------------------------
@@ -279,15 +283,17 @@ class NonContrastiveModule(FeatureLearningModule):
                     rho = bn_column_stats(f, g, backend=self.backend)["rho"]
             met = self.metrics(self.last_loss, rho)
             self.history.append({**met, "step": self.global_step_safe()})
-            if self.tracker is not None:
-                met.update({f"phase/{name}": float(t) for name, t in self.tracker.bounds.items() if t is not None})
+            if self.tracker is not None:  # the steps at which phases began: theory/t1, theory/t2_paper, ...
+                met.update({f"theory/{name.lower()}": float(t) for name, t in self.tracker.bounds.items()
+                            if t is not None})
+            # no sync_dist: the loss and rho come from statistics synced over ranks, the rest from the weights
             self.log_dict(met, on_step=True, on_epoch=False)
         return backprop
 
     def validation_step(self, batch, batch_idx):
         with torch.no_grad():
             loss = self.population_loss() if self.gradient == "population" else self.batch_loss(batch)
-        self.log("loss/val", loss, on_epoch=True, batch_size=batch["x"].shape[0])
+        self.log("val/loss", loss, on_epoch=True, batch_size=batch["x"].shape[0], sync_dist=True)
 
     def configure_optimizers(self):
         groups = [{"params": [self.w], "lr": self.lr}]

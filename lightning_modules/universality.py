@@ -24,11 +24,13 @@ exactly onto the intersection of the spectral ball and the trust region
 (:func:`~featlearn.theory.universality.project_trust_region`, Dykstra's algorithm: clipping and then scaling
 into the ball would give a feasible point, not the nearest one).
 
-Theory metrics (every ``trainer.log_every_n_steps`` steps): the per-group squared column norms
-``c_j = ||(W M)_{:, j}||^2`` (``c/S``, ``c/P_target``, ``c/P_other``, ``c/U``) against the closed forms of
-:func:`~featlearn.theory.universality.predicted_column_norms`. :meth:`LinearContrastive.final_metrics` adds the
-contrastive loss on fresh samples against its closed form and the downstream ridge errors on the target task
-and on another task.
+Metrics (every ``trainer.log_every_n_steps`` steps): the per-group squared column norms
+``c_j = ||(W M)_{:, j}||^2`` (``theory/c_s``, ``theory/c_p_target``, ``theory/c_p_other``, ``theory/c_u``) against
+the closed forms of :func:`~featlearn.theory.universality.predicted_column_norms` (``theory/c_s_closed_form``, ...,
+and ``theory/c_max_abs_error``), and the constraints (``train/weight_spectral_norm``, ``train/weight_frobenius2``,
+in ``cr`` mode ``train/cr_distance`` = ``||W - W*||_F``). :meth:`LinearContrastive.final_metrics` (``hp/<name>``)
+adds the contrastive loss on fresh samples against its closed form and the downstream ridge errors on the target
+task and on another task.
 
 Example:
     >>> from featlearn.datamodules.hidden_representation import HiddenRepresentationDataModule
@@ -52,8 +54,9 @@ from featlearn.lightning_modules.base import FeatureLearningModule
 from featlearn.lightning_modules.contrastive_regularization import ContrastiveRegularization
 from featlearn.metrics.probes import all_gather_cat_with_grad
 from featlearn.theory.universality import (closed_form_representation, column_norms, contrastive_loss_closed_form,
-                                           downstream_errors, group_means, predicted_column_norms,
-                                           project_spectral_frobenius, project_trust_region)
+                                           group_means, predicted_column_norms, project_spectral_frobenius,
+                                           project_trust_region)
+from featlearn.theory.universality_downstream import downstream_errors
 from featlearn.validation import PositiveFloat, PositiveInt, check_args
 
 __all__ = ["LinearContrastive", "contrastive_loss"]
@@ -196,7 +199,8 @@ class LinearContrastive(FeatureLearningModule):
         else:
             self.w.copy_(project_spectral_frobenius(self.w, float(self.r), 1.0))
         if self._trainer is not None and self.theory_due():
-            self.log_dict(self.theory_metrics(), on_step=True, on_epoch=False)
+            self.log_dict({f"{'theory' if k.startswith('c_') else 'train'}/{k}": v
+                           for k, v in self.theory_metrics().items()}, on_step=True, on_epoch=False)
 
     # ------------------------------------------------------------------------------------------
     def column_norms(self) -> dict[str, float]:
@@ -211,23 +215,27 @@ class LinearContrastive(FeatureLearningModule):
                                       target=self.target, start=start)
 
     def theory_metrics(self) -> dict[str, float]:
+        """Column norms against the closed form and the constraints, by name; :meth:`finish_step` logs them as
+        ``theory/<name>`` (``c_*``) and ``train/<name>`` (the rest)."""
         c, p = self.column_norms(), self.predicted()
         others = [t for t in range(self.T) if t != self.target]
-        out = {"c/S": c["S"], "c/P_target": c[f"P{self.target}"], "c/U": c["U"],
-               "c_theory/S": p["S"], "c_theory/P_target": p[f"P{self.target}"], "c_theory/U": p["U"],
-               "c/max_abs_error": max(abs(c[g] - p[g]) for g in c),
-               "weights/spectral_norm": float(torch.linalg.matrix_norm(self.w.detach().double(), 2)),
-               "weights/frobenius2": float((self.w.detach().double() ** 2).sum())}
+        groups = {"s": "S", "p_target": f"P{self.target}", "u": "U"}
+        out = {f"c_{g}": c[key] for g, key in groups.items()}
+        out.update({f"c_{g}_closed_form": p[key] for g, key in groups.items()})
+        out["c_max_abs_error"] = max(abs(c[g] - p[g]) for g in c)
+        out["weight_spectral_norm"] = float(torch.linalg.matrix_norm(self.w.detach().double(), 2))
+        out["weight_frobenius2"] = float((self.w.detach().double() ** 2).sum())
         if others:
-            out["c/P_other"] = sum(c[f"P{t}"] for t in others) / len(others)
-            out["c_theory/P_other"] = sum(p[f"P{t}"] for t in others) / len(others)
+            out["c_p_other"] = sum(c[f"P{t}"] for t in others) / len(others)
+            out["c_p_other_closed_form"] = sum(p[f"P{t}"] for t in others) / len(others)
         if self.hparams.mode == "cr":
-            out["cr/distance"] = float(self.cr.distance({"w": self.w}))
+            out["cr_distance"] = float(self.cr.distance({"w": self.w}))
         return out
 
     def downstream(self, ms: list[int] | None = None) -> dict[str, dict]:
         """Ridge test errors on the target task and on another task, ``lambda`` by leave-one-out per set
-        (:func:`~featlearn.theory.universality.downstream_errors`), for each ``m`` in ``ms`` (default: ``num_val``)."""
+        (:func:`~featlearn.theory.universality_downstream.downstream_errors`), for each ``m`` in ``ms``
+        (default: ``num_val``)."""
         ms = ms or [self.m]
         out = {}
         with torch.no_grad():
@@ -246,12 +254,12 @@ class LinearContrastive(FeatureLearningModule):
             tasks = list(range(self.T)) if self.hparams.mode == "universal" else [self.target]
             weights = [self.task_weights[t] for t in tasks]
             s_sig, r_sig, _ = self.sigmas
-            out["loss/closed_form_at_measured_c"] = contrastive_loss_closed_form(
+            out["loss_closed_form_at_measured_c"] = contrastive_loss_closed_form(
                 c["S"], [c[f"P{t}"] for t in tasks], self.s, self.r, weights, s_sig, r_sig, self.hparams.loss,
                 samples=100_000)
         down = self.downstream()
         for name, rows in down.items():
-            out[f"downstream/{name}_mse"] = rows[self.m]["mse"]
+            out[f"downstream_{name}_mse"] = rows[self.m]["mse"]
         return out
 
     def correlations(self) -> torch.Tensor:

@@ -224,7 +224,7 @@ class ViTCL(GlobalLocalViT):
         met = global_means(pairs)
         rows = self.query_rows().detach()
         residual = rows - (rows @ self.E.T) @ self.E - (rows @ self.V.T) @ self.V  # off span{e, v}: noise
-        met.update({"Q_fro": self.Q.detach().norm(), "noise_pickup": residual.norm(dim=1).mean()})
+        met.update({"q_fro": self.Q.detach().norm(), "noise_pickup": residual.norm(dim=1).mean()})
         return met
 
     # --- Lightning hooks ------------------------------------------------------------------------
@@ -233,10 +233,9 @@ class ViTCL(GlobalLocalViT):
         out = self.batch_loss(batch, with_areas=due)
         self.remember_batch(batch)
         if due and self._trainer is not None:
-            met = self.metrics(batch, out)
-            loss = met.pop("loss")
-            met = {"train/loss": loss, "loss/objective": loss + 0.5 * self.hparams.weight_decay * self.Q.detach().square().sum(),
-                   **{f"attn/{k}" if k.startswith("attn") else f"cl/{k}": v for k, v in met.items()}}
+            met = {f"train/{k}": v for k, v in self.metrics(batch, out).items()}
+            decay = 0.5 * self.hparams.weight_decay * self.Q.detach().square().sum()
+            met["train/objective"] = met["train/loss"] + decay
             self.log_metrics(met)
             if self.figures_due() and tensorboard_writer(self._trainer) is not None:
                 self._log_figures(batch, out["A"])
@@ -245,7 +244,7 @@ class ViTCL(GlobalLocalViT):
     def finish_step(self, step: int) -> None:
         self.track_phi(step)
         if self._trainer is not None and self.theory_due():
-            self.log_metrics({f"corr/{k}": v for k, v in self.phi_metrics().items()})
+            self.log_metrics({f"theory/{k}": v for k, v in self.phi_metrics().items()})
 
     def validation_step(self, batch, batch_idx):
         # the negatives of a validation anchor are the other samples of the global validation batch (gathered
@@ -283,6 +282,6 @@ class ViTCL(GlobalLocalViT):
                 "phi_local_own": host["phi_local_own"], "phi_global_own": host["phi_global_own"],
                 "phi_local_to_global": host["phi_local_to_global"], "phi_other_absmax": host["phi_other_absmax"],
                 "phi_local_features_absmean": host["phi_local_features_absmean"],
-                "noise_pickup": host["noise_pickup"], "Q_fro": host["Q_fro"],
+                "noise_pickup": host["noise_pickup"], "q_fro": host["q_fro"],
                 "init_attn_own_local": self.init["attn_own_local"],
                 "init_attn_glob_from_local": self.init["attn_glob_from_local"], **self.final_common()}

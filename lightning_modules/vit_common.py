@@ -207,6 +207,9 @@ class GlobalLocalViT(FeatureLearningModule):
 
     # --- logging ------------------------------------------------------------------------------------
     def log_metrics(self, metrics: dict[str, torch.Tensor], prefix: str = "") -> None:
+        """Log ``prefix + name`` for every metric (names ``train/...``, ``theory/...``, or ``prefix="val/"``).
+        No ``sync_dist``: every value is already that of the global batch (:func:`global_means`' all_reduce)
+        or a function of the parameters, the same on every rank."""
         host = to_host({k: v.detach().reshape(()) for k, v in metrics.items()})
         self.log_dict({prefix + k: float(v) for k, v in host.items()}, on_step=prefix != "val/",
                       on_epoch=prefix == "val/")
@@ -236,7 +239,7 @@ class GlobalLocalViT(FeatureLearningModule):
         step = self.global_step
         if maps is not None and self.has_grid:
             for name, value in self.diversity(*maps).items():
-                writer.add_scalar(f"attn/{name}", float(value), step)
+                writer.add_scalar(f"train/{name}", float(value), step)
         self.log_figure("attention/areas", heatmap_figure(
             area_matrix(A.detach(), own), xlabel="key area (0 = global; last column: masked keys)",
             ylabel="query area (0 = global)", vmax=1.0, diverging=False, title=f"mean area attention, step {step}"))

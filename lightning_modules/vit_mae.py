@@ -253,10 +253,9 @@ class ViTMAE(GlobalLocalViT):
         loss, per_query, A = self.batch_loss(batch, with_areas=due)
         self.remember_batch(batch)
         if due and self._trainer is not None:
-            met = self.metrics(batch, per_query, A)
-            met = {"train/loss": met.pop("loss"), **{f"attn/{k}" if k.startswith("attn") else f"loss/{k}": v
-                                                     for k, v in met.items()}}
-            met.update({f"loss/{k}": torch.tensor(v) for k, v in self.floor.items()})  # beside the curves
+            met = {f"train/{k}": v for k, v in self.metrics(batch, per_query, A).items()}
+            # the floors beside the loss curves: theory/loss_floor, theory/loss_floor_local, theory/loss_floor_global
+            met.update({f"theory/loss_{k}": torch.tensor(v) for k, v in self.floor.items()})
             self.log_metrics(met)
             if self.figures_due() and tensorboard_writer(self._trainer) is not None:
                 self._log_figures(batch, A)
@@ -265,8 +264,7 @@ class ViTMAE(GlobalLocalViT):
     def finish_step(self, step: int) -> None:
         self.track_phi(step)
         if self._trainer is not None and self.theory_due():
-            met = {f"corr/{k}": v for k, v in {**self.phi_metrics(), **self.upsilon_metrics()}.items()}
-            self.log_metrics(met)
+            self.log_metrics({f"theory/{k}": v for k, v in {**self.phi_metrics(), **self.upsilon_metrics()}.items()})
 
     def validation_step(self, batch, batch_idx):
         loss, per_query, A = self.batch_loss(batch, with_areas=True)

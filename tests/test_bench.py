@@ -98,10 +98,10 @@ def test_step_cases_take_the_main_jobs_configs():
     """The step cases read the methods' run configs (as `lightning fit --config` resolves them), so a changed
     config changes what the bench times; the gpu size is MRP's medium config and contrastive's medium size."""
     from featlearn.bench import step_methods, steps
-    from featlearn.experiments.common import resolved_config
+    from featlearn.experiments.study import Run
 
     (mrp,) = step_methods.method("mrp", "tiny")
-    config = resolved_config("mrp/teacher_student.yaml")
+    config = Run("mrp/teacher_student.yaml", "mrp").resolved()
     assert mrp.data_args == config["data"]["init_args"] and mrp.model_args == config["model"]["init_args"]
     (two_layer,) = step_methods.method("two_layer", "tiny")
     assert two_layer.data_args["num_train"] == 5000 and two_layer.model_args["schedule"] == "plain"  # the noted changes

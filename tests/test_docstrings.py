@@ -18,11 +18,14 @@ MODULES = ["featlearn.kernels.registry", "featlearn.experiments.common", "featle
            "featlearn.lightning_modules.vit_mae", "featlearn.lightning_modules.vit_cl",
            "featlearn.lightning_modules.vit_common", "featlearn.callbacks.profiling",
            "featlearn.kernels.smoothed_clamp", "featlearn.theory.two_layer", "featlearn.datamodules.structured_parity",
-           "featlearn.lightning_modules.two_layer", "featlearn.datamodules.hidden_representation",
+           "featlearn.lightning_modules.two_layer", "featlearn.lightning_modules.two_layer_baselines",
+           "featlearn.lightning_modules.two_layer_parts", "featlearn.datamodules.hidden_representation",
            "featlearn.theory.universality", "featlearn.lightning_modules.universality",
            "featlearn.lightning_modules.contrastive_regularization", "featlearn.experiments.universality",
            "featlearn.experiments.sweep", "featlearn.experiments.vit", "featlearn.gpu.compile", "featlearn.gpu.cases",
-           "featlearn.papers", "featlearn.bench.harness", "featlearn.quiet"]
+           "featlearn.papers", "featlearn.bench.harness", "featlearn.quiet",
+           "featlearn.experiments.study", "featlearn.experiments.settings", "featlearn.experiments.sweep_file",
+           "featlearn.experiments.vit_report", "featlearn.theory.universality_downstream"]
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -43,10 +43,10 @@ def test_every_dot_kernel_is_built_in_each_precision(launches):
 
 
 def test_launch_signature_follows_the_arguments(launches):
-    fwd = next(x for x in launches if x["kernel"] == "_soft_threshold_fwd_kernel" and x["case"] == "001-medium/fp64")
+    fwd = next(x for x in launches if x["kernel"] == "_soft_threshold_fwd_kernel" and x["case"] == "contrastive-medium/fp64")
     # float64 saves an int32 code: triton 3.6 cannot feed a float64 dot from 8-bit data
     assert fwd["signature"]["x_ptr"] == "*fp64" and fwd["signature"]["code_ptr"] == "*i32"
-    fp32 = next(x for x in launches if x["kernel"] == "_soft_threshold_fwd_kernel" and x["case"] == "001-medium/fp32-ieee")
+    fp32 = next(x for x in launches if x["kernel"] == "_soft_threshold_fwd_kernel" and x["case"] == "contrastive-medium/fp32-ieee")
     assert fp32["signature"]["code_ptr"] == "*u8"
     assert fwd["signature"]["D"] == "i32" and fwd["constants"]["ACC"] == {"dtype": "fp64"}
     unaligned = next(x for x in launches if x["kernel"] == "_soft_threshold_fwd_kernel" and "unaligned" in x["case"])
@@ -66,8 +66,8 @@ def test_problems_flag_spills_only_where_the_autotuner_may_pick():
 def test_float64_dots_build_for_sm90(launches):
     """One float64 build per dot pattern (GEMM epilogue, attention's three dots), in worker processes that
     run triton in compiled mode: no error, shared memory within the H100's 227 KB, no spills."""
-    wanted = {("_soft_threshold_fwd_kernel", "001-medium/fp64"), ("_masked_attn_fwd_kernel", "002-cl/fp64"),
-              ("_masked_attn_bwd_dq_kernel", "002-cl/fp64")}
+    wanted = {("_soft_threshold_fwd_kernel", "contrastive-medium/fp64"), ("_masked_attn_fwd_kernel", "vit-cl/fp64"),
+              ("_masked_attn_bwd_dq_kernel", "vit-cl/fp64")}
     picked = [x for x in launches if (x["kernel"], x["case"]) in wanted]
     jobs = gc.jobs_from(picked, all_configs=False)
     last = {}

@@ -1,6 +1,7 @@
 """Headline of Wen & Li 2021 at EQUAL bias, on a small fixed-seed config: d=16 by the experiment's size rule
-(d1=128, m=64, K=256, N=128, eta=2, 487 steps), seeds 0 and 1, trained through the same configs and code
-path as ``python -m featlearn.experiments.contrastive``.
+(d1=128, m=64, K=256, N=128, eta=2, 488 steps), seeds 0 and 1, trained through the same configs and code
+path: ``python -m featlearn.experiments.contrastive --d 16 --seed 0 1 --settings <pair>`` (with
+``--bias-reset-step 40`` for the schedule pair).
 
 Theory (Thm 3.4 vs Thm 3.2): with RandomMask the singleton neurons cover the dictionary; without
 augmentation the features stay dense, so no singletons. Two equal-bias comparisons, each pair of configs
@@ -22,24 +23,25 @@ import torch
 
 from featlearn.cli import make_cli
 from featlearn.experiments.common import CONFIGS
-from featlearn.experiments.contrastive import run_setting, size_rule
+from featlearn.experiments.contrastive import main
 
 SEEDS = (0, 1)
-SIZE = size_rule(16)
 RESET_STEP = 40
 PAIRS = {"schedule": ("random_mask", "no_augmentation"), "learned": ("learned_bias", "learned_bias_no_aug")}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Final summaries per (setting, seed); trained once for the whole module."""
+    """Final summaries per (setting, seed): one experiment command per pair, run once for the whole module."""
     old = torch.get_num_threads()
-    torch.set_num_threads(1)
     out = tmp_path_factory.mktemp("headline")
-    sizes = {"schedule": {**SIZE, "bias_reset_step": RESET_STEP}, "learned": SIZE}
+    options = {"schedule": ["--bias-reset-step", str(RESET_STEP)], "learned": []}
     try:
-        yield {(name, seed): run_setting(name, out, sizes[mode], seed)[0]
-               for mode, pair in PAIRS.items() for name in pair for seed in SEEDS}
+        results = {mode: main(["--d", "16", "--settings", ",".join(pair), "--seed", *map(str, SEEDS), "--threads",
+                               "1", "--out", str(out / mode), *options[mode]])[0]["runs"]
+                   for mode, pair in PAIRS.items()}
+        yield {(name, seed): results[mode][name][seed] for mode, pair in PAIRS.items() for name in pair
+               for seed in SEEDS}
     finally:
         torch.set_num_threads(old)
 

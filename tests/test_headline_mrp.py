@@ -19,15 +19,18 @@ training, single-view share 0.5 in the 10000 test samples; seeds 0, 1, 2. Measur
   strict xfail: it turns into a failure the day the comparison starts to hold, so the README gets updated.
 ~1.5-2.5 minutes on one thread.
 """
+import argparse
+
 import pytest
 import torch
 
 from featlearn.experiments import mrp as experiment
+from featlearn.experiments.study import Study
 
 SEEDS = (0, 1, 2)
 SIZE = experiment.size_rule(6, d=64, P=16)
 MU = 0.02
-SHARED = experiment.SETTINGS["shared"]
+SHARED = experiment.SETTINGS.shared
 
 
 @pytest.fixture(scope="module")
@@ -35,16 +38,17 @@ def runs(tmp_path_factory):
     """Per seed: MRP pretraining + fine-tuning and SL at the shared settings, and SL with a sharp race."""
     old = torch.get_num_threads()
     torch.set_num_threads(1)
-    out = tmp_path_factory.mktemp("mrp_headline")
+    args = argparse.Namespace(out=tmp_path_factory.mktemp("mrp_headline"), overwrite=False, seed=list(SEEDS))
     try:
         results = {}
-        for seed in SEEDS:
-            shared = dict(q=SHARED["q"], sigma0=SHARED["sigma0"], lr_scale=SHARED["lr_scale"])
-            results[seed] = {
-                **experiment.mrp(out / str(seed), SIZE, MU, seed, **shared),
-                "sl": experiment.supervised(out / str(seed), SIZE, MU, seed, **shared),
-                "sl_sharp": experiment.supervised(out / str(seed), SIZE, MU, seed, q=5, sigma0=0.01, lr_scale=5.0),
-            }
+        with Study(args, "mrp headline", fits=4 * len(SEEDS)) as study:
+            for seed in SEEDS:
+                shared = dict(q=SHARED.q, sigma0=SHARED.sigma0, lr_scale=SHARED.lr_scale)
+                results[seed] = {
+                    **experiment.mrp(study, SIZE, MU, seed, **shared),
+                    "sl": experiment.supervised(study, SIZE, MU, seed, **shared),
+                    "sl_sharp": experiment.supervised(study, SIZE, MU, seed, q=5, sigma0=0.01, lr_scale=5.0),
+                }
         yield results
     finally:
         torch.set_num_threads(old)

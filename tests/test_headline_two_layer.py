@@ -14,32 +14,26 @@ population; the correlation classifier a ~ E[y h] of the step-2 features; README
 strict xfail that says so."""
 import argparse
 import json
-from pathlib import Path
 
 import pytest
 
-from featlearn.experiments.two_layer import SETTINGS, main, parse_args, run_one
+from featlearn.experiments.study import Study
+from featlearn.experiments.two_layer import SETTINGS, Setting, main, parse_args, tune
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-SETTING = {"name": "small", "data": "data_parity.yaml", "dim": 100, "width": 50, "steps": 150}
-
-
-def _best(label: str, tmp_path: Path) -> dict:
-    args = argparse.Namespace(width=None, steps=None, num_train=4000, out=tmp_path)
-    trials = []
-    for lr in SETTINGS["lr3_grid"]:
-        model, _, res = run_one(SETTING, SETTINGS["methods"][label], 0, lr, args, f"{label}_{lr}")
-        trials.append(res)
-        if not model.tunes_lr3:  # the probes' classifier is solved exactly, as in the experiment
-            break
-    return max(trials, key=lambda r: r["val"])
+SETTING = Setting(name="small", data="data_parity.yaml", dim=100, width=50, steps=150)
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    root = tmp_path_factory.mktemp("two_layer_headline")
-    return {label: _best(label, root) for label in ("Network", "NTK", "RF", "Two Step")}
+    """Each column's best trial of the grid, through the experiment's tuning (the probes' classifier is
+    solved exactly: one trial)."""
+    args = argparse.Namespace(width=None, steps=None, num_train=4000, seed=[0], lr3_grid=SETTINGS.lr3_grid,
+                              out=tmp_path_factory.mktemp("two_layer_headline"), overwrite=False)
+    with Study(args, "headline", fits=3 * len(SETTINGS.lr3_grid) + 1) as study:
+        best = {label: tune(study, SETTING, label, args) for label in ("Network", "NTK", "RF", "Two Step")}
+    return {label: trials[lr]["result"] for label, (lr, trials) in best.items()}
 
 
 def test_neurons_align_with_the_relevant_patterns(results):
@@ -75,7 +69,7 @@ def test_tables_write_md_json_png_and_probes_are_not_tuned(tmp_path):
     assert "| lr3 x | exact |" in md and "(100.0)" in md
     mog = main(["--table", "MOG", "--methods", "Network", "--steps", "8", "--num-train", "1000", "--width", "4",
                 "--lr3-grid", "100", "--out", str(tmp_path / "mog")])
-    assert set(mog["results"]) == {s["name"] for s in SETTINGS["tables"]["MOG"]}
+    assert set(mog["results"]) == {s.name for s in SETTINGS.tables["MOG"]}
     md = (tmp_path / "mog" / "two_layer_MOG.md").read_text()
     assert "| Cos centres min |" in md and "(NA)" not in md
     assert json.loads((tmp_path / "mog" / "two_layer_MOG.json").read_text())["meta"]["num_train"] == 1000

@@ -141,8 +141,13 @@ def test_a_run_is_its_lightning_fit_command(short, tmp_path):
 
 
 def test_presets_and_delta_points_build_the_documented_data(tmp_path):
-    rows = _run(tmp_path / "smoke", "--preset", "p256_pos_small", "--delta", "0.4", "--steps-mae", "2",
-                "--steps-cl", "2", "--every", "1")
+    argv = ("--preset", "p256_pos_small", "--delta", "0.4", "--steps-mae", "2", "--steps-cl", "2", "--every", "1")
+    rows = _run(tmp_path / "smoke", *argv)
+    # the same command resumes from study.json: no fit runs again (each run's wall_s is the cached one), the same
+    # rows, in the same folder, the figures drawn from the cached results
+    again = _run(tmp_path / "smoke", *argv)
+    assert [r["per_seed"] for r in again.values()] == [r["per_seed"] for r in rows.values()]
+    assert not (tmp_path / "smoke-2").exists() and (tmp_path / "smoke" / "vit_table_queries.png").is_file()
     small_mae, small_cl = rows["mae", "p256_pos_small"], rows["cl", "p256_pos_small"]
     assert (small_mae["C_1"], small_mae["C_s"], small_mae["n_local"], small_mae["mask_ratio"]) == (64, 4, 48, 0.5)
     assert (small_cl["K"], small_cl["d"], small_cl["mask_ratio"]) == (8, 704, 0.5)   # d >= P + K N = 648

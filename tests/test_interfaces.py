@@ -74,7 +74,7 @@ def test_experiment_command_line(tmp_path, capsys):
     args = parse_experiment_args(parser, ["--seed", "3", "1"])
     assert args.seed == [3, 1] and args.out == tmp_path / "out" and args.out.is_dir()
     (args.out / "table.md").write_text("x")
-    assert parse_experiment_args(parser, []).out == tmp_path / "out-2"  # a rerun never mixes with the last
+    assert parse_experiment_args(parser, []).out == tmp_path / "out"  # the Study chooses the folder, not the parser
     with pytest.raises(SystemExit):
         parse_experiment_args(parser, ["--seed", "1", "1"])
     assert "--seed: seeds must be distinct" in capsys.readouterr().err

@@ -182,3 +182,19 @@ def test_each_module_trains_on_its_declared_set():
     assert dm.train_set == "downstream" and len(dm.full("train")["x"]) == 8
     with pytest.raises(ConfigError, match=r"^data\.batch_size: must be at most data\.num_downstream = 8"):
         MultiViewClassifier(m=2).attach(MultiViewDataModule(k=4, d=16, P=10, s=1, num_downstream=8, batch_size=10))
+
+
+@pytest.mark.parametrize("change, needle", [
+    ({"shared": {"q": "three", "sigma0": 0.02, "lr_scale": 1.0}}, "experiment.yaml: shared.q: "),
+    ({"grids": {"q": [3]}}, "experiment.yaml: grids.q: must be a known field"),
+])
+def test_experiment_settings_are_typed(change, needle):
+    """``configs/mrp/experiment.yaml`` is read into dataclasses: a wrong type or an unknown field is refused,
+    naming the field."""
+    from dataclasses import asdict
+    from featlearn.experiments import mrp as experiment
+    from featlearn.experiments.study import load_settings
+    assert experiment.grid_points() == [{"q": 3, "lr_scale": s} for s in (0.5, 1.0, 2.0)]
+    with pytest.raises(ConfigError) as refused:
+        load_settings("experiment.yaml", experiment.Settings, {**asdict(experiment.SETTINGS), **change})
+    assert str(refused.value).startswith(needle)

@@ -2,6 +2,7 @@
 a short fixed-seed SGD run whose E21 rises, the Lightning/CLI wiring of every config."""
 import glob
 import math
+import re
 from pathlib import Path
 
 import lightning as L
@@ -69,7 +70,7 @@ def test_diag_of_head_never_changes_and_variants():
     model = NonContrastiveModule(width=2, head="full", head_lr=0.5)
     heads = _fit(model, _small_dm(), 3, every=1)
     assert (torch.diagonal(heads[-1]) - 1).abs().max() > 0
-    assert len(model.history) >= 1 and "head/offdiag_fro" in model.history[0]
+    assert len(model.history) >= 1 and "theory/e_offdiag_fro" in model.history[0]
 
 
 def test_stop_grad_matches_float64_reference_and_ema():
@@ -173,7 +174,26 @@ def test_short_sgd_run_e21_rises():
     assert float(e21.max()) > 0.05
     assert all(torch.equal(torch.diagonal(h), torch.ones(2, dtype=h.dtype)) for h in heads)
     assert model.tracker is not None and model.tracker.bounds["T1"] == 0   # lead neuron learned at t = 0
-    assert model.history[-1]["mech/subst_ratio"] > 0
+    assert model.history[-1]["theory/subst_ratio"] > 0
+
+
+TAG = re.compile(r"(train|val|test|theory|hp)/[a-z0-9_]+(/[a-z0-9_=.]+)*")
+
+
+def test_logged_tags_follow_the_naming_scheme():
+    """Every scalar the module logs (training, validation, theory, HPARAMS results) is named
+    ``<section>/<name>[/<qualifier>...]`` in lower case, e.g. ``theory/e/1_0`` for E21."""
+    dm = _small_dm()
+    model = NonContrastiveModule(width=2, lr=0.05, head_lr=0.5).attach(dm)
+    _pin_lagging(model, dm)                                    # the lead neuron has learned: theory/t1 is logged
+    trainer = L.Trainer(max_steps=4, max_epochs=-1, log_every_n_steps=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
+                        limit_val_batches=1, val_check_interval=2, num_sanity_val_steps=0)
+    trainer.fit(model, datamodule=dm)
+    tags = set(trainer.callback_metrics) | {f"hp/{k}" for k in model.final_metrics()}
+    assert {"train/loss", "train/gap_to_opt", "train/rho/0", "val/loss", "theory/cos/0_1", "theory/e/1_0",
+            "theory/phase", "theory/t1", "hp/peak_abs_e21"} <= tags, sorted(tags)
+    assert [t for t in sorted(tags) if not TAG.fullmatch(t)] == []
 
 
 def test_outcomes_and_phase_tracker():
@@ -253,17 +273,17 @@ def test_lightning_population_mode_equals_simulator(head):
                               head_lr=0.1, head=head, record_every=every)
     logged = [h for h in model.history if h["step"] % every == 0]
     assert [h["step"] for h in logged] == out["steps"].tolist()[:-1]          # 0, 20, ..., 380
-    b_mod = torch.tensor([[[h[f"feat/B_{j}_{l}"] for l in range(2)] for j in range(2)] for h in logged],
+    b_mod = torch.tensor([[[h[f"theory/b/{j}_{l}"] for l in range(2)] for j in range(2)] for h in logged],
                          dtype=torch.float64)
     assert float((b_mod - out["B"][:-1, 0]).abs().max()) <= 1e-12              # whole trajectory, |B| <= 1
     assert torch.allclose(model.w.detach(), out["w"][0], rtol=1e-12, atol=1e-14)     # final point
     assert torch.allclose(model.head.detach(), out["head"][0], rtol=1e-12, atol=1e-14)
     # the module's running peak of |E| (its HPARAMS result) is the simulator's, over every step
     assert torch.allclose(model.head_peak, out["E_peak"][0], rtol=1e-12, atol=1e-14)
-    assert model.final_metrics()["peak_abs_E21"] == pytest.approx(float(out["E_peak"][0, 1, 0]), rel=1e-12)
+    assert model.final_metrics()["peak_abs_e21"] == pytest.approx(float(out["E_peak"][0, 1, 0]), rel=1e-12)
     e21 = out["E"][:, 0, 1, 0]
     if head == "offdiag":
-        e_mod = torch.tensor([h["head/E_1_0"] for h in logged], dtype=torch.float64)
+        e_mod = torch.tensor([h["theory/e/1_0"] for h in logged], dtype=torch.float64)
         assert float((e_mod - e21[:-1]).abs().max()) <= 1e-12
         assert float(e21[-1]) > 0.1 and bool((e21[1:] > e21[:-1]).all())      # E21 rises (substitution)
     else:

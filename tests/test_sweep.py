@@ -8,6 +8,7 @@ import pytest
 import yaml
 
 from featlearn.errors import ConfigError
+from featlearn.experiments import study as study_module
 from featlearn.experiments import sweep as sweep_module
 from featlearn.experiments.sweep import Rule, growth_exponent, main, parse_sweep
 
@@ -33,14 +34,21 @@ def write(tmp_path, data, name="sweep.yaml"):
     return path
 
 
-def test_two_point_sweep_writes_summary_and_resumes(tmp_path, one_thread, monkeypatch, capsys):
+@pytest.fixture
+def fits(monkeypatch):
+    """The names of the runs the study really fits (a resumed run is not built)."""
+    names = []
+    real = study_module.build
+    monkeypatch.setattr(study_module, "build", lambda config, out, name, *a: names.append(name) or real(
+        config, out, name, *a))
+    return names
+
+
+def test_two_point_sweep_writes_summary_and_resumes(tmp_path, one_thread, fits, capsys):
     config, out = write(tmp_path, TINY), tmp_path / "out"
-    fits = []
-    real_run = sweep_module.run_point
-    monkeypatch.setattr(sweep_module, "run_point", lambda *a: fits.append(a[1]) or real_run(*a))
     summary = main(["--config", str(config), "--out", str(out)])
-    assert [p["data.init_args.k"] for p in fits] == [4, 6]
-    for name in ("sweep.md", "sweep.json", "sweep_summary.png"):
+    assert fits == ["k=4/s0", "k=6/s0"]
+    for name in ("sweep.md", "sweep.json", "sweep_summary.png", "study.json"):
         assert (out / name).stat().st_size > 0, name
     assert list((out / "k=4" / "s0").glob("events.out.tfevents.*")), "TensorBoard logs under --out/<point>"
     state = json.loads((out / "sweep.json").read_text())
@@ -48,7 +56,7 @@ def test_two_point_sweep_writes_summary_and_resumes(tmp_path, one_thread, monkey
     assert [(r["point"], r["seed"]) for r in rows] == [("k=4", 0), ("k=6", 0)]
     for row in rows:
         assert row["steps"] == 5 and row["timed_steps"] == 5 - 1 - 1  # first step untimed, last one for memory
-        assert row["time_per_step_ms"] > 0 and row["peak_mib"] is not None
+        assert row["time_per_step_ms"] > 0 and row["peak_mib"] is not None and row["diverged"] is False
         assert set(row["metrics"]) == {"frac_captured", "first_capture/max"}
         assert 0 <= row["metrics"]["frac_captured"] <= 1
     assert rows[1]["settings"]["data.init_args.d"] == 24 and rows[0]["settings"]["data.init_args.d"] == 20
@@ -65,23 +73,30 @@ def test_two_point_sweep_writes_summary_and_resumes(tmp_path, one_thread, monkey
     main(["--config", str(config), "--out", str(out)])
     assert fits == []
     main(["--config", str(config), "--out", str(out), "--seed", "0", "1"])
-    assert [p["data.init_args.k"] for p in fits] == [4, 6]
+    assert fits == ["k=4/s1", "k=6/s1"]
     rows = json.loads((out / "sweep.json").read_text())["rows"]
-    assert sorted((r["point"], r["seed"]) for r in rows) == [("k=4", 0), ("k=4", 1), ("k=6", 0), ("k=6", 1)]
+    assert [(r["point"], r["seed"]) for r in rows] == [("k=4", 0), ("k=4", 1), ("k=6", 0), ("k=6", 1)]
 
-    # a changed sweep file is refused for that folder, and starts afresh with --overwrite
-    changed = write(tmp_path, {**TINY, "steps": 6})
-    with pytest.raises(SystemExit) as stop:
-        main(["--config", str(changed), "--out", str(out)])
-    assert stop.value.code == 2 and "['steps'] differ" in capsys.readouterr().err
+    # a changed sweep file writes to a new folder, or starts afresh in --out with --overwrite
+    changed = write(tmp_path, {**TINY, "steps": 6, "timed_after": 3})
     fits.clear()
-    monkeypatch.setattr(sweep_module, "run_point", lambda *a: fits.append(a[1]) or {
-        "point": a[0].name(a[1]), "seed": a[2], "values": a[1], "settings": a[0].settings(a[1]), "device": "cpu",
-        "threads": 1, "diverged": False, "metrics": {"frac_captured": 0.5, "first_capture/max": None}, "steps": 6,
-        "time_per_step_ms": 1.0, "timed_steps": 4, "peak_mib": 1.0, "wall_s": 0.1})
+    main(["--config", str(changed), "--out", str(out)])
+    assert fits == ["k=4/s0", "k=6/s0"] and (tmp_path / "out-2" / "sweep.json").is_file()
     main(["--config", str(changed), "--out", str(out), "--overwrite"])
-    assert len(fits) == 2
-    assert len(json.loads((out / "sweep.json").read_text())["rows"]) == 2
+    assert len(fits) == 4
+    rows = json.loads((out / "sweep.json").read_text())["rows"]
+    assert [(r["steps"], r["timed_steps"]) for r in rows] == [(6, 2), (6, 2)]
+
+
+def test_a_diverged_point_keeps_its_row(tmp_path, one_thread, fits):
+    """The divergence guard stops k=6 (lr 1e8, no norm cap): its row says so, with no metrics; k=4 as usual."""
+    data = {**TINY, "derived": {"model.init_args.lr": {"of": "k", "table": {4: 2.0, 6: 1.0e8}}},
+            "overrides": {**TINY["overrides"], "model.init_args.norm_cap": None}}
+    main(["--config", str(write(tmp_path, data)), "--out", str(tmp_path / "out")])
+    rows = {r["point"]: r for r in json.loads((tmp_path / "out" / "sweep.json").read_text())["rows"]}
+    assert rows["k=4"]["diverged"] is False and rows["k=6"]["diverged"] is True and rows["k=6"]["error"]
+    assert set(rows["k=6"]["metrics"].values()) == {None}
+    assert "0 (diverged)" in (tmp_path / "out" / "sweep.md").read_text()
 
 
 @pytest.mark.parametrize("change, field", [
@@ -89,22 +104,28 @@ def test_two_point_sweep_writes_summary_and_resumes(tmp_path, one_thread, monkey
     ({"base": "mrp/data_tiny.yaml"}, "base"),
     ({"sweep": {"data.init_args.k": []}}, "sweep.data.init_args.k"),
     ({"sweep": {"data.init_args.k": [4, 4]}}, "sweep.data.init_args.k"),
+    ({"sweep": {"data.init_args.k": 4}}, "sweep.yaml: sweep"),
     ({"sweep": {}}, "sweep"),
+    ({"sweep": {"data.init_args.k": [4, 6], "data.init_args.d": [20]}}, "sweep"),  # zip: one length
     ({"steps": 2}, "steps"),
+    ({"steps": "five"}, "sweep.yaml: steps"),
     ({"timed_after": -1}, "timed_after"),
     ({"seeds": [0, 0]}, "seeds"),
     ({"metrics": []}, "metrics"),
-    ({"grid": "diagonal"}, "grid"),
-    ({"extra": 1}, "extra"),
+    ({"grid": "diagonal"}, "sweep.yaml: grid"),
+    ({"extra": 1}, "sweep.yaml: extra"),
+    ({"cost_model": ["data.init_args.P^two"]}, "cost_model"),
     ({"derived": {"data.init_args.d": {"of": "kk", "times": 4}}}, "derived.data.init_args.d.of"),
-    ({"derived": {"data.init_args.d": {"of": "k", "round": "up"}}}, "derived.data.init_args.d.round"),
-    ({"derived": {"data.init_args.d": {"of": "k", "tims": 4}}}, "derived.data.init_args.d.tims"),
+    ({"derived": {"data.init_args.d": {"of": "k", "round": "up"}}}, "sweep.yaml: derived.data.init_args.d: round"),
+    ({"derived": {"data.init_args.d": {"of": "k", "tims": 4}}}, "sweep.yaml: derived.data.init_args.d: tims"),
     ({"derived": {"data.init_args.d": {"of": "k", "table": {4: 20}}}}, "derived.data.init_args.d.table"),
+    ({"derived": {"data.init_args.d": {"of": "k", "log": True}}, "sweep": {"data.init_args.k": [0, 4]}},
+     "derived.data.init_args.d.of"),
     ({"derived": {"data.init_args.k": {"of": "k"}}}, "derived"),
 ])
 def test_bad_sweep_files_are_refused_naming_the_field(change, field):
     with pytest.raises(ConfigError) as info:
-        parse_sweep({**TINY, **change})
+        parse_sweep({**TINY, **change}, "sweep.yaml")
     assert info.value.field == field
 
 
@@ -114,14 +135,12 @@ def test_bad_sweep_files_are_refused_naming_the_field(change, field):
     ({"cost_model": ["data.init_args.D"]}, "cost_model"),
     ({"sweep": {"data.init_args.k": [1, 4]}, "derived": {}}, "point k=1"),  # k >= 2: the config's own type
 ])
-def test_keys_and_values_unknown_to_the_base_config_are_refused_before_any_run(tmp_path, change, field, capsys,
-                                                                              monkeypatch):
-    monkeypatch.setattr(sweep_module, "run_point", lambda *a: pytest.fail("a run started"))
+def test_keys_and_values_unknown_to_the_base_config_are_refused_before_any_run(tmp_path, change, field, capsys, fits):
     with pytest.raises(SystemExit) as stop:
         main(["--config", str(write(tmp_path, {**TINY, **change})), "--out", str(tmp_path / "out")])
     assert stop.value.code == 2
     assert capsys.readouterr().err.startswith(f"error: {field}: must be ")
-    assert not (tmp_path / "out").exists()
+    assert not (tmp_path / "out").exists() and fits == []
 
 
 def test_growth_exponent_recovers_a_known_slope():
@@ -134,6 +153,9 @@ def test_growth_exponent_recovers_a_known_slope():
 
 
 def test_rules():
+    assert Rule is study_module.Rule  # one Rule: the engine's
+    assert parse_sweep({**TINY, "derived": {"data.init_args.d": {"of": "k", "times": 8}}}).settings(
+        {"data.init_args.k": 4})["data.init_args.d"] == 32  # an integer rule stays an integer (d1 = 8 d)
     assert Rule(of="k", times=4, at_least=256, round="ceil").apply(32) == 256
     assert Rule(of="k", log=True, times=2.5, at_least=4, round="ceil").apply(1024) == math.ceil(2.5 * math.log(1024))
     assert Rule(of="k", power=-1, times=0.02).apply(16) == pytest.approx(0.02 / 16)

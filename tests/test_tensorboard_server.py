@@ -420,3 +420,16 @@ def test_common_training_loss_tag(runs, scalar_tags, key):
     tags = set(scalar_tags.get(run.name, {}))
     assert COMMON_TRAIN_LOSS in tags, f"{run.name}: no {COMMON_TRAIN_LOSS} (loss tags: " \
                                       f"{sorted(t for t in tags if 'loss' in t)})"
+
+
+# every scalar tag: <section>/<name>[/<qualifier>...]; qualifiers may name a setting (k=2, view.single)
+METRIC_NAME = re.compile(r"(train|val|test|theory|hp)(/[a-z0-9_]+)(/[a-z0-9_=.]+)*")
+
+
+@pytest.mark.parametrize("key", list(METHODS))
+def test_metric_names_follow_one_scheme(runs, scalar_tags, key):
+    """Every scalar a method writes is ``train/...``, ``val/...``, ``test/...``, ``theory/...`` or ``hp/...``
+    in lower-case segments, so the same quantity sits in the same place for every method in TensorBoard."""
+    run = run_of(runs, key)
+    odd = sorted(t for t in scalar_tags.get(run.name, {}) if t != "epoch" and not METRIC_NAME.fullmatch(t))
+    assert not odd, f"{run.name}: tags outside the scheme {METRIC_NAME.pattern}: {odd}"

@@ -31,7 +31,7 @@ def test_small_pretraining_captures_every_feature(tmp_path):
     assert stats["frac_captured"] == 1.0                            # Theorem 1 (a): every feature
     capturing = stats["kernels/pure"] + stats["kernels/sameclass"] + stats["kernels/crossclass"]
     assert stats["kernels/crossclass"] <= 0.1 * capturing           # a kernel holds one class at most
-    assert stats["winner_in_M0_frac"] >= 0.5                        # lottery winners mostly from M0
+    assert stats["winner_in_m0_frac"] >= 0.5                        # lottery winners mostly from M0
     assert (model.first_capture_step >= 0).all()
     assert model.trainer.global_step < 1500                         # the stop rule ended the run
     assert model.weight.norm(dim=1).max() <= 1.0 + 1e-5             # projected GD

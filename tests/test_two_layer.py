@@ -1,7 +1,8 @@
-"""TwoLayerNetwork (Shi 2024, Sec. 2.3, App. A.7.1): mirrored init, the schedule's exact erasing steps, the NTK
-linearisation against autograd's jvp, frozen layers of the baselines, the probes' exact readout, the
+"""TwoLayerNetwork and its baselines (Shi 2024, Sec. 2.3, App. A.7.1): mirrored init, the schedule's exact erasing
+steps, the NTK linearisation against autograd's jvp, frozen layers of the baselines, the probes' exact readout, the
 plain schedule on the Gaussian mixture, every config through the CLI, and bad values refused naming the
 field."""
+import json
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,8 @@ from featlearn.datamodules.structured_parity import StructuredParityDataModule
 from featlearn.errors import ConfigError
 from featlearn.experiments.common import build, quiet_lightning
 from featlearn.kernels.smoothed_clamp import smoothed_clamp_reference
-from featlearn.lightning_modules.two_layer import ScheduledGD, TwoLayerNetwork
+from featlearn.lightning_modules.two_layer import ScheduledGD, TwoLayerNetwork, draw_neurons
+from featlearn.lightning_modules.two_layer_baselines import TwoLayerNTK, TwoLayerRF, TwoLayerTwoStep
 from featlearn.theory.two_layer import best_linear_classifier, centre_coverage, hinge, theory_schedule
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -73,14 +75,14 @@ def test_step_one_erases_w_exactly():
 def test_ntk_linearisation_equals_jvp(s):
     dm = _dm()
     net = TwoLayerNetwork(width=5, steps=10).attach(dm)
-    ntk = TwoLayerNetwork(width=5, steps=10, mode="ntk").attach(dm)
+    ntk = TwoLayerNTK(width=5, steps=10).attach(dm)
     assert torch.equal(ntk.w0, net.w.detach()) and torch.equal(ntk.a0, net.a.detach())
     g = torch.Generator().manual_seed(3)
     delta = {n: torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.1 for n, p in (("w", net.w), ("b", net.b),
                                                                                     ("a", net.a))}
     with torch.no_grad():
         for n, t in delta.items():
-            getattr(ntk, n).copy_(t)
+            getattr(ntk, f"d{n}").copy_(t)  # the NTK's parameters are the displacements dw, db, da
     x = dm.sample(torch.arange(37), "train")["x"]
     params = {n: getattr(net, n).detach() for n in ("w", "b", "a")}
 
@@ -90,7 +92,7 @@ def test_ntk_linearisation_equals_jvp(s):
     assert torch.allclose(g_of(params), net(x, s).detach(), atol=1e-12)
     _, tangent = jvp(g_of, (params,), (delta,))
     assert torch.allclose(ntk(x, s), tangent, atol=1e-12, rtol=1e-10)
-    assert float(TwoLayerNetwork(width=5, steps=10, mode="ntk").attach(dm)(x).detach().abs().max()) == 0.0
+    assert float(TwoLayerNTK(width=5, steps=10).attach(dm)(x).detach().abs().max()) == 0.0
 
 
 def _fit(config: str, tmp_path: Path, *extra: str):
@@ -112,7 +114,7 @@ def test_every_config_fits(config, tmp_path):
     assert model.global_step == 5
     metrics = model.final_metrics()
     assert 0 <= metrics["val_acc"] <= 1
-    if model.mode != "ntk":
+    if model.feature_learning:
         assert set(metrics) >= {"cos_init", "cos_final"}
     assert list((tmp_path / config.replace(".yaml", "")).glob("events.out.tfevents.*"))
 
@@ -128,6 +130,8 @@ def test_frozen_layers_of_the_baselines(tmp_path):
     assert two.final_metrics()["cos_step2"] == pytest.approx(two.final_metrics()["cos_final"])
     net, _ = _fit("network.yaml", tmp_path / "net")
     assert net.neuron_figure() is not None and rf.neuron_figure() is None
+    # the picture the experiment keeps in its results (JSON) draws the same way
+    assert isinstance(rf, TwoLayerRF) and draw_neurons(json.loads(json.dumps(net.neuron_picture()))) is not None
 
 
 def test_hinge():
@@ -199,15 +203,17 @@ def test_gamma_zero_needs_the_plain_schedule_and_sigma_a():
 
 
 @pytest.mark.parametrize("kw, field", [
-    (dict(width=0), "model.width"), (dict(mode="lazy"), "model.mode"), (dict(schedule="A99"), "model.schedule"),
+    (dict(width=0), "model.width"), (dict(schedule="A99"), "model.schedule"),
     (dict(lr3_mult=0.0), "model.lr3_mult"), (dict(reg3_mult=-1.0), "model.reg3_mult"),
     (dict(sigma_w=float("nan")), "model.sigma_w"), (dict(steps=0), "model.steps"),
-    (dict(mode="two_step", schedule="plain"), "model.schedule"), (dict(readout="svm"), "model.readout"),
-    (dict(readout_ridge=0.0), "model.readout_ridge"),
+    (dict(schedule="plain", cls=TwoLayerTwoStep), "model.schedule"),
+    (dict(readout="svm", cls=TwoLayerTwoStep), "model.readout"),
+    (dict(readout_ridge=0.0, cls=TwoLayerTwoStep), "model.readout_ridge"),
 ])
 def test_bad_values_are_refused_naming_the_field(kw, field):
+    cls = kw.pop("cls", TwoLayerNetwork)
     with pytest.raises(ConfigError) as info:
-        TwoLayerNetwork(**kw)
+        cls(**kw)
     assert info.value.field == field
 
 

@@ -13,10 +13,10 @@ from featlearn.experiments.common import build
 from featlearn.lightning_modules.contrastive_regularization import ContrastiveRegularization, trust_region_
 from featlearn.lightning_modules.universality import LinearContrastive, contrastive_loss
 from featlearn.theory.universality import (closed_form_representation, column_norms, contrastive_loss_closed_form,
-                                           downstream_errors, group_means, layout, linear_cka, norm_constrained_fit,
-                                           predicted_column_norms, private_overlap, project_bisection,
-                                           project_spectral_frobenius, project_trust_region, ridge_fit,
-                                           ridge_loo_errors)
+                                           group_means, layout, predicted_column_norms, private_overlap,
+                                           project_bisection, project_spectral_frobenius, project_trust_region)
+from featlearn.theory.universality_downstream import downstream_errors, linear_cka, norm_constrained_fit, ridge_fit
+from featlearn.theory.universality_downstream import ridge_loo_errors
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 ROOT = Path(__file__).resolve().parents[1]
@@ -186,10 +186,8 @@ def test_ridge_loo_and_cka():
     for lam in (1e-3, 0.3):
         loo = []
         for i in range(17):
-            keep = torch.arange(17) != i
-            # the held-out fit keeps the full-set penalty lam * m (ridge_fit scales by its own m)
-            u = ridge_fit(F[keep], y[keep], lam * 17 / 16)
-            loo.append(float((F[i] @ u - y[i]) ** 2))
+            keep = torch.arange(17) != i  # the held-out fit keeps the full-set penalty lam * m (ridge_fit: its own m)
+            loo.append(float((F[i] @ ridge_fit(F[keep], y[keep], lam * 17 / 16) - y[i]) ** 2))
         assert math.isclose(float(ridge_loo_errors(F, y, [lam])[0]), sum(loo) / 17, rel_tol=1e-9)
     X = torch.randn(40, 6, generator=g, dtype=torch.float64)
     assert math.isclose(linear_cka(X, X), 1.0) and linear_cka(X, torch.randn(40, 6, generator=g, dtype=torch.float64)) < 0.5
@@ -334,11 +332,14 @@ def test_refusals(tmp_path):
 def test_every_mode_runs_through_the_cli(config, tmp_path):
     cli = build(f"universality/{config}.yaml", tmp_path, config, "--trainer.max_steps", "3",
                 "--data.init_args.batch_size", "128", "--data.init_args.num_test", "100",
-                "--model.init_args.probe_repeats", "2")
+                "--model.init_args.probe_repeats", "2", "--trainer.log_every_n_steps", "1")
     cli.trainer.fit(cli.model, cli.datamodule)
     assert cli.trainer.global_step == 3
     metrics = cli.model.final_metrics()
-    assert math.isfinite(metrics["downstream/target_mse"]) and "c/P_target" in metrics
+    assert math.isfinite(metrics["downstream_target_mse"]) and "c_p_target" in metrics
+    logged = set(cli.trainer.logged_metrics)  # the project's scheme: <section>/<name>, lower case
+    assert {"train/loss", "theory/c_p_target", "theory/c_p_target_closed_form", "train/weight_spectral_norm"} <= logged
+    assert all(t.split("/")[0] in ("train", "theory") and t.islower() and t.count("/") == 1 for t in logged), logged
     assert Path(cli.trainer.checkpoint_callback.last_model_path).is_file()
     if config == "universal":  # a universal checkpoint is a CR reference
         ref = cli.trainer.checkpoint_callback.last_model_path

@@ -241,8 +241,9 @@ def test_cli_run_logs_metrics_figures_and_results(tmp_path):
     events.Reload()
     tags = events.Tags()
     assert {"attention/areas", "attention/sample", "heatmap/correlation"} <= set(tags["images"])
-    for name in ("attn/attn_glob_from_local", "attn/attn_own_local", "cl/p_pos", "cl/Q_fro", "cl/noise_pickup",
-                 "corr/phi_global_own", "hp/own_area_local", "hp/attn_global", "hp/final_loss", "hp/loss_floor"):
+    for name in ("train/attn_glob_from_local", "train/attn_own_local", "train/p_pos", "train/q_fro",
+                 "train/noise_pickup", "train/objective", "theory/phi_global_own", "hp/own_area_local",
+                 "hp/attn_global", "hp/final_loss", "hp/loss_floor", "hp/q_fro"):
         assert name in tags["scalars"], name
     final = cli.model.final_metrics()
     assert final["loss_floor"] == pytest.approx(theory.cl_loss_floor(7, 8, cli.model.tau))

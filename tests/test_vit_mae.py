@@ -332,12 +332,13 @@ def test_cli_run_logs_metrics_figures_and_results(tmp_path):
     tags = events.Tags()
     assert {"attention/areas", "attention/sample", "heatmap/correlation", "heatmap/upsilon"} <= set(tags["images"])
     scalars = set(tags["scalars"])
-    for name in ("attn/attn_own_local", "attn/attn_glob_from_local", "attn/attn_to_masked", "attn/attn_other_local",
-                 "corr/phi_local_to_global_min", "corr/upsilon_same_area_absmax", "loss/loss_local",
+    for name in ("train/attn_own_local", "train/attn_glob_from_local", "train/attn_to_masked", "train/attn_other_local",
+                 "theory/phi_local_to_global_min", "theory/upsilon_same_area_absmax", "train/loss_local",
+                 "theory/loss_floor",
                  "hp/own_area_local", "hp/own_area_global", "hp/attn_global", "hp/final_loss", "hp/loss_floor",
                  "hp/phi_local_to_global_min"):
         assert name in scalars, name
-    assert len(events.Scalars("attn/attn_own_local")) == 4                        # steps 2, 4, 6, 8 only
+    assert len(events.Scalars("train/attn_own_local")) == 4                        # steps 2, 4, 6, 8 only
 
 
 @pytest.mark.parametrize("kwargs,field", [

@@ -36,8 +36,8 @@ def capture_stats(C: torch.Tensor, C0: torch.Tensor, feature_class: torch.Tensor
       (Lemma 1: supervised learning captures about one feature per class);
     * ``kernels/{pure,sameclass,crossclass}``: capturing kernels holding one feature, both features of
       one class, or features of several classes;
-    * ``winner_in_M0_frac``: share of captured features won by a kernel of their initial lottery set
-      ``M0_f = {r : <w_r(0), v_f> >= Lambda_f(0) lottery_factor}``; ``M0_size/{mean,max}``: its size.
+    * ``winner_in_m0_frac``: share of captured features won by a kernel of their initial lottery set
+      ``M0_f = {r : <w_r(0), v_f> >= Lambda_f(0) lottery_factor}``; ``m0_size/{mean,max}``: its size.
 
     Example:
         >>> C = torch.tensor([[0.9, 0.0], [0.0, 0.1]])
@@ -64,6 +64,6 @@ def capture_stats(C: torch.Tensor, C0: torch.Tensor, feature_class: torch.Tensor
         "kernels/pure": (n_held == 1).sum().float(),
         "kernels/sameclass": ((n_held > 1) & (n_classes == 1)).sum().float(),
         "kernels/crossclass": (n_classes > 1).sum().float(),
-        "winner_in_M0_frac": (in_lottery & captured).sum() / n_captured,
-        "M0_size/mean": lottery.sum(0).float().mean(), "M0_size/max": lottery.sum(0).float().max(),
+        "winner_in_m0_frac": (in_lottery & captured).sum() / n_captured,
+        "m0_size/mean": lottery.sum(0).float().mean(), "m0_size/max": lottery.sum(0).float().max(),
     }

@@ -28,7 +28,7 @@ from featlearn.datamodules.multiview import MultiViewDataModule
 from featlearn.datamodules.sparse_coding import SparseCodingDataModule
 from featlearn.datamodules.structured_parity import StructuredParityDataModule
 from featlearn.datamodules.two_feature_patches import TwoFeaturePatchDataModule
-from featlearn.experiments.common import resolved_config
+from featlearn.experiments.study import Run
 from featlearn.kernels import smoothed_relu
 from featlearn.lightning_modules.contrastive import ContrastiveModule
 from featlearn.lightning_modules.mrp import TeacherStudentMRP
@@ -386,7 +386,7 @@ _TWO_LAYER_CHANGES = (dict(num_train=5000, num_val=16, num_test=16),
 @functools.cache
 def main_job(name: str) -> tuple[dict, dict]:
     """(data, model) init arguments of a method's main-job config (:data:`MAIN_JOBS`)."""
-    config = resolved_config(MAIN_JOBS[name])
+    config = Run(MAIN_JOBS[name], name).resolved()
     return dict(config["data"]["init_args"]), dict(config["model"]["init_args"])
 
 

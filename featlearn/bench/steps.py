@@ -54,7 +54,7 @@ from featlearn.bench.step_methods import METHODS, Method, method
 from featlearn.callbacks import DivergenceGuard
 from featlearn.datamodules.multiview import MultiViewDataModule
 from featlearn.datamodules.sparse_coding import SparseCodingDataModule
-from featlearn.experiments.common import resolved_config
+from featlearn.experiments.study import Run
 from featlearn.lightning_modules.contrastive import ContrastiveModule
 from featlearn.lightning_modules.mrp import TeacherStudentMRP
 
@@ -65,17 +65,18 @@ GPU_METHODS = ("mrp", "contrastive")
 COMPILED_AT_GPU = ()
 # the gpu size: MRP's medium config, and contrastive learning's main job at its medium size (d = 256,
 # d1 = 8d, m = width_mult d = 1024; the batch and the shared negatives of the paper's medium runs)
-GPU_JOBS = {"mrp": ("mrp/teacher_student_medium.yaml",),
-            "contrastive": ("contrastive/random_mask.yaml", "--data.init_args.d", "256", "--data.init_args.d1", "2048",
-                            "--data.init_args.num_negatives", "4096", "--data.init_args.batch_size", "1024",
-                            "--model.init_args.lr", "1.0")}
+GPU_JOBS = {"mrp": ("mrp/teacher_student_medium.yaml", {}),
+            "contrastive": ("contrastive/random_mask.yaml",
+                            {"data.init_args.d": 256, "data.init_args.d1": 2048, "data.init_args.num_negatives": 4096,
+                             "data.init_args.batch_size": 1024, "model.init_args.lr": 1.0})}
 
 
 def gpu_method(name: str) -> tuple[Method, float]:
     """The ``gpu`` size of a method of :data:`GPU_METHODS` and its model FLOPs per step (its GEMMs)."""
     if name not in GPU_JOBS:
         raise ValueError(f"no gpu size for {name!r}: one of {', '.join(GPU_METHODS)}")
-    config = resolved_config(*GPU_JOBS[name])
+    config_file, overrides = GPU_JOBS[name]
+    config = Run(config_file, f"gpu/{name}", overrides).resolved()
     d, model = dict(config["data"]["init_args"]), dict(config["model"]["init_args"])
     if name == "mrp":  # forward A = x W^T and dW (the teacher reads the same A): 4 N P d R, R = k m
         return (step_methods.MRP("mrp", torch.float32, 20, MultiViewDataModule, d, TeacherStudentMRP, model,

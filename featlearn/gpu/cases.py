@@ -7,7 +7,7 @@ Example:
     >>> sorted(cases())
     ['bn_cosine_loss', 'masked_attention', 'patch_activation_sum', 'smoothed_clamp', 'soft_threshold']
     >>> cases()["soft_threshold"][0][0]
-    '001-medium/fp32-ieee'
+    'contrastive-medium/fp32-ieee'
 """
 from __future__ import annotations
 
@@ -79,31 +79,31 @@ def cases() -> dict:
         # shared rows, d=1152, 130 areas) and its contrastive path (per-sample queries, P=256, d=256); the
         # x-gradient kernels at unaligned sizes (the contrastive ablation, ch. 2's Gaussian mixture: d=100, 800 neurons)
         cases["patch_activation_sum"].append(
-            (f"000-medium/{name}", p(_patch_sum, 16384, 32, 1024, 512, "srelu", 3, dtype, precision, teacher=True,
+            (f"mrp-medium/{name}", p(_patch_sum, 16384, 32, 1024, 512, "srelu", 3, dtype, precision, teacher=True,
                                      squares=True)))
         cases["soft_threshold"] += [
-            (f"001-medium/{name}", p(_layer, "soft_threshold", 5120, 2048, 1024, dtype, precision)),
+            (f"contrastive-medium/{name}", p(_layer, "soft_threshold", 5120, 2048, 1024, dtype, precision)),
             (f"unaligned-grad-x/{name}", p(_layer, "soft_threshold", 1000, 500, 30, dtype, precision, grad_x=True))]
         cases["smoothed_clamp"] += [
             (f"ch2-parity/{name}", p(_layer, "smoothed_clamp", 4000, 500, 1000, dtype, precision)),
             (f"ch2-mog-grad-x/{name}", p(_layer, "smoothed_clamp", 4096, 100, 800, dtype, precision, grad_x=True))]
         cases["masked_attention"] += [
-            (f"002-mae/{name}", p(_attention, 64, 1024, 768, 1024, 1152, dtype, precision, groups=130)),
-            (f"002-cl/{name}", p(_attention, 64, 256, 256, 0, 256, dtype, precision, shared=False, groups=17))]
+            (f"vit-mae/{name}", p(_attention, 64, 1024, 768, 1024, 1152, dtype, precision, groups=130)),
+            (f"vit-cl/{name}", p(_attention, 64, 256, 256, 0, 256, dtype, precision, shared=False, groups=17))]
     for name, dtype, precision in ieee_and_fp64:
         # MRP at k = 512, m = 22 (A recomputed in the backward); the non-contrastive encoder (R=2, d=1000, mask,
         # float64); unaligned sizes (d=500, R=30, P=30); padded keys
         cases["patch_activation_sum"] += [
-            (f"000-large/{name}", p(_patch_sum, 4096, 64, 2048, 11264, "srelu", 3, dtype, precision)),
-            (f"004-encoder/{name}", p(_patch_sum, 8192, 32, 1000, 2, "pow", 3, dtype, precision, mask=True,
+            (f"mrp-large/{name}", p(_patch_sum, 4096, 64, 2048, 11264, "srelu", 3, dtype, precision)),
+            (f"noncontrastive-encoder/{name}", p(_patch_sum, 8192, 32, 1000, 2, "pow", 3, dtype, precision, mask=True,
                                       teacher=True)),
             (f"unaligned/{name}", p(_patch_sum, 1000, 30, 500, 30, "relu", 1, dtype, precision, squares=True))]
         cases["masked_attention"].append(
-            (f"002-mae-exclude/{name}", p(_attention, 64, 1024, 768, 1024, 1152, dtype, precision, pad=True)))
+            (f"vit-mae-exclude/{name}", p(_attention, 64, 1024, 768, 1024, 1152, dtype, precision, pad=True)))
     for dtype, label in (("float64", "fp64"), ("float32", "fp32")):
         # non-contrastive: N=8192, m=2 in float64 (its configs), a wider m=64 in float32; both normalisations
-        cases["bn_cosine_loss"] += [(f"004-bn/{label}", p(_bn_cosine, 8192, 2, dtype, "bn")),
-                                    (f"004-l2/{label}", p(_bn_cosine, 8192, 2, dtype, "l2")),
+        cases["bn_cosine_loss"] += [(f"noncontrastive-bn/{label}", p(_bn_cosine, 8192, 2, dtype, "bn")),
+                                    (f"noncontrastive-l2/{label}", p(_bn_cosine, 8192, 2, dtype, "l2")),
                                     (f"wide-bn-no-stopgrad/{label}", p(_bn_cosine, 8192, 64, dtype, "bn", False)),
                                     (f"wide-l2-no-stopgrad/{label}", p(_bn_cosine, 8193, 64, dtype, "l2", False))]
     return dict(cases)

@@ -1,0 +1,87 @@
+"""What the two-layer methods (:mod:`featlearn.lightning_modules.two_layer`) use beside the module: the
+optimiser of the schedule's exact steps and the neurons' MDS picture (its data and its drawing).
+
+Example:
+    >>> p = torch.nn.Parameter(torch.tensor([3.0]))
+    >>> opt = ScheduledGD([{"params": [p], "name": "w"}])
+    >>> p.grad = torch.tensor([2.0]); opt.param_groups[0].update(lr=0.5, decay=0.0); _ = opt.step()
+    >>> p.tolist()   # decay 0 erases w exactly: w <- -lr grad
+    [-1.0]
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from featlearn.metrics.figures import plt
+from featlearn.theory.two_layer import centre_coverage, mds_embedding
+
+
+class ScheduledGD(torch.optim.Optimizer):
+    """Plain gradient steps ``p <- decay * p - lr * grad`` per parameter group; the module sets ``lr`` and
+    ``decay = 1 - 2 lr lambda`` of every group before each step (the schedule), so ``decay = 0`` erases
+    a parameter exactly instead of through the cancellation ``p - lr (grad + p / lr)``."""
+
+    def __init__(self, params):
+        super().__init__(params, {"lr": 0.0, "decay": 1.0})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None or not p.requires_grad:
+                    continue
+                if group["decay"] == 0:
+                    torch.mul(p.grad, -group["lr"], out=p)
+                else:
+                    p.mul_(group["decay"]).add_(p.grad, alpha=-group["lr"])
+        return loss
+
+
+def neuron_picture(snapshots: dict[str, torch.Tensor], direction: torch.Tensor, centres: torch.Tensor | None,
+                   k: int) -> dict:
+    """The MDS picture of neuron directions, JSON-able: per snapshot (name: ``[n, d]`` first-layer rows) the
+    positions, the colour (cos(w_i, ``direction``), or on the Gaussian mixture, with ``centres``, the best
+    centre cosine, with the 2^k centres placed too: y = +1 or not) and a title."""
+    panels = []
+    for name, w in snapshots.items():
+        w = w.double().cpu()
+        if centres is not None:
+            c = centres.double().cpu()
+            xy = mds_embedding(torch.cat([w, c]))
+            bits = (torch.arange(len(c))[:, None] >> torch.arange(k)) & 1
+            panels.append({"xy": xy[: len(w)].tolist(), "colour": centre_coverage(c, w).tolist(),
+                           "centres": xy[len(w):].tolist(), "positive": ((k - bits.sum(1)) % 2 == 0).tolist(),
+                           "title": f"{name}: mean coverage {float(centre_coverage(w, c).mean()):.3f}"})
+        else:
+            v = direction.double().cpu()
+            cos = (w @ v) / (w.norm(dim=1) * v.norm()).clamp_min(1e-300)
+            panels.append({"xy": mds_embedding(w).tolist(), "colour": cos.tolist(),
+                           "title": f"{name}: max cos {float(cos.max()):.3f}"})
+    return {"mog": centres is not None, "panels": panels}
+
+
+def draw_neurons(picture: dict | None):
+    """The figure of a :meth:`~featlearn.lightning_modules.two_layer.TwoLayerBase.neuron_picture`: three MDS panels coloured by cos(w_i, sum_A M_j),
+    or on the Gaussian mixture by the best centre cosine with the centres drawn among them (red: y = +1,
+    orange: y = -1; as Fig. A.12). None for None."""
+    if picture is None:
+        return None
+    fig, axes = plt.subplots(1, 3, figsize=(12, 4), constrained_layout=True)
+    mog = picture["mog"]
+    for ax, panel in zip(axes, picture["panels"]):
+        xy = np.asarray(panel["xy"])
+        if mog:
+            image = ax.scatter(xy[:, 0], xy[:, 1], c=panel["colour"], cmap="Blues", vmin=0, vmax=1, s=12)
+            centres = np.asarray(panel["centres"])
+            ax.scatter(centres[:, 0], centres[:, 1], marker="*", s=90, edgecolors="k", linewidths=0.5,
+                       c=["red" if p else "orange" for p in panel["positive"]])
+        else:
+            image = ax.scatter(xy[:, 0], xy[:, 1], c=panel["colour"], cmap="RdBu_r", vmin=-1, vmax=1, s=12)
+        ax.set(title=panel["title"], xlabel="MDS 1", ylabel="MDS 2")
+    fig.colorbar(image, ax=axes, label="max_c cos(w_i, centre c)" if mog else "cos(w_i, sum_A M_j)")
+    return fig
