@@ -1,4 +1,9 @@
-"""A ModelCheckpoint whose ``last.ckpt`` is the final state of a run, and never a state mid-blow-up."""
+"""A ModelCheckpoint whose ``last.ckpt`` is the final state of a run (also of one stopped by Ctrl-C), and never
+a state mid-blow-up."""
+import signal
+import sys
+import threading
+
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from featlearn.callbacks.divergence import DivergenceGuard, save_may_fall_due, check_guards
@@ -17,14 +22,82 @@ class FinalCheckpoint(ModelCheckpoint):
     Lightning's own ``on_train_end`` saves ``last`` only if no periodic save happened, so a run
     stopped by ``max_steps`` between periodic saves would otherwise end with a stale ``last.ckpt``.
 
+    **Ctrl-C** (SIGINT) on one process lets the step in progress finish, saves it as ``last.ckpt`` and then
+    stops as Lightning does on an interrupt (exit code 1); a second Ctrl-C stops at once, keeping
+    ``last.ckpt`` at the last finished save. Lightning alone would stop mid-step and leave ``last.ckpt`` at
+    the last periodic save. On several processes a deferred stop would need the ranks to agree on the step
+    (a sync per step), so there the interrupt only says which step ``last.ckpt`` holds.
+
     Example:
         >>> trainer = L.Trainer(callbacks=[DivergenceGuard(), FinalCheckpoint(save_last=True,
         ...     every_n_train_steps=100, save_top_k=0)])  # doctest: +SKIP
     """
 
     _postponed = False  # a periodic save fell due while the run was suspect (keeps ModelCheckpoint's signature)
+    _interrupted = False  # Ctrl-C came: stop once the step in progress is finished
+    _interrupt_saved = False
+    _in_step = False
+    _old_handler = None
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        if trainer.world_size == 1 and threading.current_thread() is threading.main_thread():
+            self._old_handler = signal.signal(signal.SIGINT, self._on_sigint)
+
+    def _on_sigint(self, signum, frame) -> None:
+        if self._interrupted:  # the second Ctrl-C: the user does not want to wait for the step
+            self._restore_handler()
+            raise KeyboardInterrupt
+        self._interrupted = True
+        print("\nfeatlearn: interrupted: saving the step in progress once it finishes (Ctrl-C again to stop now)",
+              file=sys.stderr, flush=True)
+
+    def _restore_handler(self) -> None:
+        if self._old_handler is not None:
+            signal.signal(signal.SIGINT, self._old_handler)
+            self._old_handler = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._in_step = True
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self._periodic(trainer, pl_module, outputs, batch, batch_idx)
+        self._in_step = False
+        if self._interrupted:
+            self._save_interrupted(trainer)
+            raise KeyboardInterrupt  # Lightning's own shutdown from here: on_exception hooks, exit code 1
+
+    def on_exception(self, trainer, pl_module, exception) -> None:
+        self._restore_handler()
+        if trainer.world_size > 1 and lost_peer(exception):
+            # the CLI prints this line instead of the traceback (featlearn.cli.main)
+            other = f"rank {1 - trainer.global_rank}" if trainer.world_size == 2 else "another rank"
+            held = (f"{self.last_model_path} holds step {self._last_global_step_saved}" if self.last_model_path
+                    else "no checkpoint was saved")
+            exception.featlearn_message = (f"rank {trainer.global_rank}: lost {other} of {trainer.world_size} "
+                                           f"during step {trainer.global_step + 1}; {held}")
+            return
+        if not isinstance(exception, KeyboardInterrupt) or self._interrupt_saved:
+            return  # a divergence keeps the checkpoint before it; a deferred interrupt has saved already
+        if not self._in_step and trainer.world_size == 1:
+            self._save_interrupted(trainer)  # between steps (validation, data loading): a finished state
+        elif trainer.is_global_zero:  # a half-done step is no state to resume from: last.ckpt stays as it was
+            held = (f"{self.last_model_path} holds step {self._last_global_step_saved}" if self.last_model_path
+                    else "no checkpoint was saved")
+            print(f"featlearn: interrupted during step {trainer.global_step + 1}: {held}", file=sys.stderr,
+                  flush=True)
+
+    def _save_interrupted(self, trainer) -> None:
+        self._interrupt_saved = True
+        if self.save_last and not _suspect(trainer) and not self._should_skip_saving_checkpoint(trainer):
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+        if self.last_model_path:
+            where = (f"{self.last_model_path} holds step {self._last_global_step_saved} (resume with --ckpt_path "
+                     f"{self.last_model_path})")
+        else:
+            where = "no checkpoint was saved (checkpoint.save_last is false)"
+        print(f"featlearn: interrupted after step {trainer.global_step}: {where}", file=sys.stderr, flush=True)
+
+    def _periodic(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if save_may_fall_due(self, trainer.global_step):
             check_guards(trainer)  # raises if a kept step diverged; brings the suspect flag up to date
         if _suspect(trainer):
@@ -40,6 +113,7 @@ class FinalCheckpoint(ModelCheckpoint):
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
 
     def on_train_end(self, trainer, pl_module) -> None:
+        self._restore_handler()
         # a run that ends without diverging ends in a state worth keeping, even while it looked suspect
         if self.save_last and not self._should_skip_saving_checkpoint(trainer):
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
@@ -51,3 +125,17 @@ class FinalCheckpoint(ModelCheckpoint):
 
 def _suspect(trainer) -> bool:
     return any(getattr(cb, "suspect", False) for cb in trainer.callbacks if isinstance(cb, DivergenceGuard))
+
+
+_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Socket closed",
+         "Connection refused")
+
+
+def lost_peer(exception: BaseException) -> bool:
+    """Whether ``exception`` is a collective that failed because another process went away (gloo's words)."""
+    seen = exception
+    while seen is not None:
+        if isinstance(seen, RuntimeError) and any(words in str(seen) for words in _LOST):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False

@@ -88,7 +88,7 @@ class DivergenceGuard(L.Callback):
         if self.interval(trainer) == 1:  # read now: the step is never applied
             if not bool(torch.isfinite(loss).all()):
                 self._stop(trainer.global_step, trainer.current_epoch, f"train loss is {float(loss.flatten()[0])}",
-                           "The step was not applied. " + _checkpoint_note(trainer))
+                           "The step was not applied. " + _checkpoint_note(trainer, pl_module))
             return
         loss = loss.detach()
         first, finite = loss.flatten()[0].to(torch.float64), torch.isfinite(loss).all()
@@ -175,6 +175,7 @@ class DivergenceGuard(L.Callback):
         suspect flag then include every step)."""
         rows = torch.cat([values for _, values in pending]).tolist()  # the one host read
         factors = self.factors(pl_module)
+        scale = getattr(pl_module, "weight_norm_scale", None)
         before, judged = list(self.history), []
         verdicts, flags, start, stopped = [], [], 0, False
         for meta, values in pending:
@@ -184,7 +185,7 @@ class DivergenceGuard(L.Callback):
                 continue
             row = rows[start:start + values.numel()]
             start += values.numel()
-            reason, at, suspect, current = self._judge_step(meta, row, factors)
+            reason, at, suspect, current = self._judge_step(meta, row, factors, scale)
             verdicts.append((reason, at, suspect))
             flags.append([float(reason is not None), float(suspect)])
             stopped = reason is not None
@@ -197,13 +198,15 @@ class DivergenceGuard(L.Callback):
         for i, ((meta, _), (reason, at, _), (diverged, _)) in enumerate(zip(pending, verdicts, flags)):
             if diverged > 0:  # the history then ends before that step, as if each step had been read at once
                 self.history = deque(before + judged[:i], maxlen=self.window)
-                return self._message(trainer, at, meta[1], reason or "another process diverged",
+                return self._message(trainer, pl_module, at, meta[1], reason or "another process diverged",
                                      reason is not None and reason.startswith("train loss"), pending[-1][0][0])
         self.suspect = flags[-1][1] > 0
         return None
 
-    def _judge_step(self, meta, row: list, factors: dict):
-        """Today's per-step rules on one kept step: (reason or None, the step it names, suspect, values)."""
+    def _judge_step(self, meta, row: list, factors: dict, scale: float | None = None):
+        """Today's per-step rules on one kept step: (reason or None, the step it names, suspect, values).
+        ``scale``: the module's ``weight_norm_scale``, the weight norm's reference while the window's smallest
+        is below it (weights that start at 0 would otherwise have their first jump as the reference)."""
         step, _, loss_step, params, metrics = meta
         first, loss_finite, abs_loss, weight_norm = row[:_HEAD]
         norms, values = row[_HEAD:_HEAD + len(params)], row[_HEAD + len(params):]
@@ -220,17 +223,22 @@ class DivergenceGuard(L.Callback):
         suspect = False
         for quantity, factor in factors.items():
             past = [(v[quantity], s) for s, v in self.history if v[quantity] > 0]
-            if reason is None and past:
+            floor = scale if quantity == "weight_norm" else None
+            if past and (floor is None or min(past)[0] >= floor):
                 smallest, where = min(past)
-                ratio = current[quantity] / smallest
-                if ratio > factor:
-                    reason = (f"{quantity.replace('_', ' ')} {current[quantity]:.3g} is {ratio:.3g}x its smallest "
-                              f"value over the last {len(self.history)} steps ({smallest:.3g} at step {where}); "
-                              f"the limit is {factor:g}x (divergence.{quantity.split('_')[0]}_growth)")
-                suspect |= ratio > math.sqrt(factor)
+                against = f"its smallest value over the last {len(self.history)} steps ({smallest:.3g} at step {where})"
+            elif floor is not None:
+                smallest, against = floor, f"the method's weight_norm_scale {floor:.3g} (weights that start at 0)"
+            else:
+                continue
+            ratio = current[quantity] / smallest
+            if reason is None and ratio > factor:
+                reason = (f"{quantity.replace('_', ' ')} {current[quantity]:.3g} is {ratio:.3g}x {against}; "
+                          f"the limit is {factor:g}x (divergence.{quantity.split('_')[0]}_growth)")
+            suspect |= ratio > math.sqrt(factor)
         return reason, at, suspect, current
 
-    def _message(self, trainer, step: int, epoch: int, what: str, loss: bool, read_at: int) -> str:
+    def _message(self, trainer, pl_module, step: int, epoch: int, what: str, loss: bool, read_at: int) -> str:
         n, late = self.interval(trainer), ""
         if loss:
             late = ("Its update was applied (divergence.check_every_n_steps: 1 stops a NaN/inf loss before "
@@ -239,7 +247,7 @@ class DivergenceGuard(L.Callback):
             late += (f"Read at step {read_at} (the guard reads its checks every {n} steps, "
                      f"divergence.check_every_n_steps, and before each save); no checkpoint was saved in between. ")
         return (f"training diverged at global step {step} (epoch {epoch}): {what}. {late}"
-                f"{_checkpoint_note(trainer)}")
+                f"{_checkpoint_note(trainer, pl_module)}")
 
     @staticmethod
     def _stop(step: int, epoch: int, what: str, note: str) -> None:
@@ -291,14 +299,21 @@ def _weight_norm(pl_module) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros((), dtype=torch.float64)
 
 
-def _checkpoint_note(trainer) -> str:
+def step_size_options(pl_module) -> list[str]:
+    """The command-line options of ``pl_module``'s step-size fields (its ``step_size_fields``): a module
+    without ``lr`` (two-layer: ``lr1_mult``, ``lr3_mult``) must not be told to change it."""
+    return [f"--model.init_args.{name}" for name in getattr(pl_module, "step_size_fields", ("lr",))]
+
+
+def _checkpoint_note(trainer, pl_module=None) -> str:
     """Where to go on from, and how."""
+    options = step_size_options(pl_module if pl_module is not None else trainer.lightning_module)
     callback = trainer.checkpoint_callback
     path = getattr(callback, "last_model_path", "") if callback is not None else ""
     if not path:
         return ("No checkpoint was saved before this step (see checkpoint.every_n_train_steps). To try: a "
-                "smaller learning rate (--model.init_args.lr)")
+                f"smaller learning rate ({' or '.join(options)})")
     step = torch.load(path, map_location="cpu", weights_only=False).get("global_step", "?")
-    return (f"The last checkpoint before the blow-up is {path} (step {step}). To try: a smaller learning rate, "
-            f"resumed from it: lightning fit --config CONFIG --ckpt_path {path} --model.init_args.lr SMALLER "
-            f"(the config's optimizer settings replace the checkpoint's)")
+    return (f"The last checkpoint before the blow-up is {path} (step {step}). To try: a smaller learning rate "
+            f"({' or '.join(options)}), resumed from it: lightning fit --config CONFIG --ckpt_path {path} "
+            f"{options[0]} SMALLER (the config's optimizer settings replace the checkpoint's)")

@@ -113,6 +113,7 @@ class GlobalLocalPatchDataModule(SyntheticDataModule):
         sizes = area_sizes(P, kappa_c, kappa_s, C_1, C_s, c_c, c_s)
         n_areas = sizes["n_areas"]
         need = P + K * n_areas
+        given = {"P": P, "K": K} if d is None else {"P": P, "K": K, "d": d}  # a derived d is P's and K's doing
         if d is None:
             d = embedding_dim(P, K * n_areas)
         elif d < need:
@@ -137,7 +138,7 @@ class GlobalLocalPatchDataModule(SyntheticDataModule):
         self.ratio: float | None = None
         self.n_masked: int | None = None
         # a structured sample: cluster, N latents and P ids, latents and flags
-        self.check_memory({"P": P, "K": K}, train_values=4 * P + n_areas, eval_values=4 * P + n_areas,
+        self.check_memory(given, train_values=4 * P + n_areas, eval_values=4 * P + n_areas,
                           out_bytes=8, consts=8 * (d * d + K * P))
         self._consts: dict[str, dict[str, torch.Tensor]] = {}
 

@@ -42,7 +42,8 @@ from featlearn.datamodules import rng
 from featlearn.datamodules.base import SyntheticDataModule
 from featlearn.errors import ConfigError
 from featlearn.theory.universality import layout
-from featlearn.validation import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, check_args
+from featlearn.validation import (NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, check_args,
+                                  int_at_least)
 
 # per-split quantities (RNG streams via SyntheticDataModule.stream(split, q))
 _Q_TASK, _Q_S, _Q_P, _Q_U, _Q_U_POS, _Q_NOISE = 1, 2, 3, 4, 5, 6
@@ -54,8 +55,9 @@ class HiddenRepresentationDataModule(SyntheticDataModule):
     """The linear multi-task model of Shi 2024, Eq. 7.6-7.8; see the module docstring.
 
     Args:
-        T: number of tasks. s: shared features. r: invariant features per task (``r > s``: ``r - s`` private
-            features each). u: spurious features (resampled in the positive view).
+        T: number of tasks, at least 2 (the metrics compare the target task with another one). s: shared
+            features. r: invariant features per task (``r > s``: ``r - s`` private features each). u: spurious
+            features (resampled in the positive view).
         sigma_S, sigma_R, sigma_U: standard deviations of the shared, private and spurious coordinates.
         task_weights: mixture weights ``w_t`` (``T`` positive numbers, normalised; ``None``: uniform).
         dictionary: ``"haar"`` (random orthonormal ``M``) or ``"identity"``.
@@ -69,7 +71,7 @@ class HiddenRepresentationDataModule(SyntheticDataModule):
 
     def __init__(
         self,
-        T: PositiveInt = 4,
+        T: int_at_least(2) = 4,
         s: PositiveInt = 5,
         r: PositiveInt = 10,
         u: NonNegativeInt = 10,

@@ -47,10 +47,10 @@ def experiment_parser(description: str, default_out: str) -> argparse.ArgumentPa
                         help=f"output folder (default {default_out}); if it holds a previous run, a new folder "
                              f"DIR-2, DIR-3, ... is used unless --overwrite is given")
     parser.add_argument("--overwrite", action="store_true", help="delete a previous run in --out first")
-    parser.add_argument("--seed", type=_seed, nargs="+", default=[0],
+    parser.add_argument("--seed", type=checked(int, lambda v: v >= 0, "a non-negative integer"), nargs="+", default=[0],
                         help="one seed or several, distinct (default 0); several give per-seed results and a "
                              "table of mean (min-max)")
-    parser.add_argument("--threads", type=_threads, default=1,
+    parser.add_argument("--threads", type=checked(int, lambda v: v >= 1, "at least 1"), default=1,
                         help="torch CPU threads (default 1: these sizes run fastest on one thread of a busy "
                              "2-core machine)")
     return parser
@@ -202,18 +202,21 @@ def write_results(out: Path, stem: str, results, table: str, figures: dict | Non
     print("\nwrote " + ", ".join(str(p) for p in written))
 
 
-def _seed(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {value}")
-    return value
+def checked(kind, ok, what: str):
+    """An argparse ``type``: ``kind(text)`` when ``ok`` of it holds, else an error naming the rule and the value.
 
-
-def _threads(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+    Example:
+        >>> parser = argparse.ArgumentParser()
+        >>> _ = parser.add_argument("--steps", type=checked(int, lambda v: v > 0, "a positive integer"))
+        >>> parser.parse_args(["--steps", "3"]).steps
+        3
+    """
+    def parse(text):
+        value = kind(text)
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text}")
+        return value
+    return parse
 
 
 def mean_range(values: list, fmt: str = "{:.3f}") -> object:

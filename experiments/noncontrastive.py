@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from featlearn.datamodules.two_feature_patches import TwoFeaturePatchDataModule
-from featlearn.experiments.common import (CONFIGS, experiment_parser, mean_range, parse_experiment_args,
+from featlearn.experiments.common import (CONFIGS, checked, experiment_parser, mean_range, parse_experiment_args,
                                           quiet_lightning)
 from featlearn.experiments.study import Run, Study, load_settings
 from featlearn.lightning_modules.noncontrastive import NonContrastiveModule
@@ -225,16 +225,6 @@ def seed_ranges(seeds: list[int]) -> str:
     return ", ".join(str(a) if a == b else f"{a}..{b}" for a, b in runs)
 
 
-def _option(kind, ok, what: str):
-    """An argparse type: ``kind(text)`` if ``ok`` of it, else an error naming the rule and the value."""
-    def parse(text):
-        value = kind(text)
-        if not ok(value):
-            raise argparse.ArgumentTypeError(f"must be {what}, got {text}")
-        return value
-    return parse
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     ap = experiment_parser(__doc__.split("\n")[0], "runs/noncontrastive")
     ap.set_defaults(seed=list(range(100, 116)))
@@ -243,17 +233,17 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "(default demoA)")
     positive = "a finite number > 0"
     p0 = variant_config(next(iter(SETTINGS.variants.values())))["data"]["init_args"]["num_feature_patches"]
-    ap.add_argument("--dim", type=_option(int, lambda v: v >= 4, ">= 4 (two features and noise room for two neurons)"),
+    ap.add_argument("--dim", type=checked(int, lambda v: v >= 4, ">= 4 (two features and noise room for two neurons)"),
                     nargs="+", help="d, replacing the presets' (several: one row pair each)")
-    ap.add_argument("--num-patches", type=_option(int, lambda v: v % 2 == 0 and v > p0, f"even (two equal views) and "
+    ap.add_argument("--num-patches", type=checked(int, lambda v: v % 2 == 0 and v > p0, f"even (two equal views) and "
                                                    f"> {p0} (the feature patches)"), help="P, replacing the data's")
-    ap.add_argument("--lr", type=_option(float, lambda v: 0 < v < math.inf, positive), default=SETTINGS.lr,
+    ap.add_argument("--lr", type=checked(float, lambda v: 0 < v < math.inf, positive), default=SETTINGS.lr,
                     help=f"eta = eta_E (default {SETTINGS.lr}, experiment.yaml)")
-    ap.add_argument("--steps", type=_option(int, lambda v: v > 0, positive),
+    ap.add_argument("--steps", type=checked(int, lambda v: v > 0, positive),
                     help="steps at every size (default: the step rule, 2.5e5 (d/100)^2 at eta 0.2)")
-    ap.add_argument("--records", type=_option(int, lambda v: v > 0, positive), default=500,
+    ap.add_argument("--records", type=checked(int, lambda v: v > 0, positive), default=500,
                     help="recorded points per run (default 500)")
-    ap.add_argument("--trajectory-seeds", type=_option(int, lambda v: v >= 0, ">= 0"), default=4,
+    ap.add_argument("--trajectory-seeds", type=checked(int, lambda v: v >= 0, ">= 0"), default=4,
                     help="seeds whose E21 trajectory is saved in the JSON (default 4)")
     ap.add_argument("--no-compile", action="store_true")
     return parse_experiment_args(ap, argv)

@@ -6,11 +6,13 @@ against fixed-feature baselines, Table A.1 (parity, d = 500) printed beside the 
 
 Built from ``configs/two_layer/experiment.yaml``: its ``methods`` (Network, NTK, RF, One Step, Two Step,
 w/o structure) each run their config (``network.yaml``, ``ntk.yaml``, ...) on the table's data preset
-with the table's width m and step count T. Every method that takes stage-3 steps gets the same tuning
-budget: each multiplier of ``lr3_grid`` (of the theory's stage-3 step size) is trained on the first seed
-and the one with the best validation accuracy is kept for every seed. One / Two Step are "the best
-classifiers" on the frozen hidden layer (Shi 2024, Section A.7.1), solved exactly, so they have no step
-size to tune. Cells are accuracy in % (train, test on a fresh 10,000-sample set) and
+with the table's width m and step count T. Stage 3 (the protocol of ``experiment.yaml``): the second layer
+takes its own step, ``lr3a_grid`` x the theory's eta at T, the first layer ``lr3_grid`` x eta, for
+``stage3_steps`` minibatch steps after steps 1-2 (T sets eta only, so the budget is not tied to the step
+size). Every method that takes stage-3 steps gets the same budget and grid: each pair of multipliers is
+trained on the first seed and the pair with the best validation accuracy is kept for every seed. One / Two
+Step are "the best classifiers" on the frozen hidden layer (Shi 2024, Section A.7.1), solved exactly, so
+they have no step size to tune. Cells are accuracy in % (train, test on a fresh 10,000-sample set) and
 ``CosSim = max_i cos(w_i, sum_A M_j)`` at the end (for RF the init, for One / Two Step the frozen first
 layer after step 1 / 2; NA for the NTK, whose features are the init's). Several seeds give
 ``mean (min-max)``.
@@ -33,13 +35,14 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib
 import math
 import shlex
 import sys
 import time
 from dataclasses import dataclass, field
 
-from featlearn.experiments.common import (CONFIGS, experiment_parser, mean_range, parse_experiment_args,
+from featlearn.experiments.common import (CONFIGS, checked, experiment_parser, mean_range, parse_experiment_args,
                                           quiet_lightning)
 from featlearn.experiments.study import Run, Study, load_settings
 from featlearn.lightning_modules.two_layer import draw_neurons
@@ -69,6 +72,7 @@ class Setting:
     dim: int | None = None
     methods: str = "methods"
     data_args: dict[str, int | float] = field(default_factory=dict)
+    stage3: bool = True  # False: T steps, one step size for both layers (the mixture's plain schedule)
 
 
 @dataclass
@@ -77,6 +81,9 @@ class Settings:
     methods: dict[str, Method]
     mog_methods: dict[str, Method]
     lr3_grid: list[float]
+    plain_lr3_grid: list[float]
+    lr3a_grid: list[float]
+    stage3_steps: int
     reg3_mult: float
     tables: dict[str, list[Setting]]
     paper: dict[str, dict[str, list[float | None]]]
@@ -90,13 +97,8 @@ def methods_of(setting: Setting) -> dict[str, Method]:
     return getattr(SETTINGS, setting.methods)
 
 
-def _positive(kind, what="a finite number > 0"):
-    def parse(text):
-        value = kind(text)
-        if not (0 < value < math.inf):
-            raise argparse.ArgumentTypeError(f"must be {what}, got {text}")
-        return value
-    return parse
+def _positive(kind, what="a finite number > 0", zero=False):
+    return checked(kind, lambda v: (0 <= v if zero else 0 < v) and v < math.inf, what)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -108,14 +110,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--methods", nargs="+", choices=every, metavar="METHOD",
                     help="columns to run (default all of the table's: " + ", ".join(SETTINGS.methods) +
                          "; MOG: " + ", ".join(SETTINGS.mog_methods) + ")")
-    ap.add_argument("--lr3-grid", type=_positive(float), nargs="+", default=SETTINGS.lr3_grid,
-                    help=f"multipliers of the stage-3 step size tried for every method that takes stage-3 "
-                         f"steps (default {SETTINGS.lr3_grid})")
+    ap.add_argument("--lr3-grid", type=_positive(float, "a finite number >= 0", zero=True), nargs="+",
+                    help=f"multipliers of the first layer's stage-3 step size tried for every method that takes "
+                         f"stage-3 steps (default {SETTINGS.lr3_grid}; the mixture's: {SETTINGS.plain_lr3_grid})")
+    ap.add_argument("--lr3a-grid", type=_positive(float), nargs="+", default=SETTINGS.lr3a_grid,
+                    help=f"multipliers of the second layer's stage-3 step size, tried with each of --lr3-grid "
+                         f"(default {SETTINGS.lr3a_grid}; the mixture's table steps both layers with --lr3-grid)")
+    ap.add_argument("--stage3-steps", type=_positive(int, "an integer > 0"), default=SETTINGS.stage3_steps,
+                    help=f"minibatch steps after steps 1-2 (default {SETTINGS.stage3_steps}; the mixture's "
+                         f"table: T)")
     ap.add_argument("--num-train", type=_positive(int, "an integer > 0"),
                     help="training samples (default the preset's 50,000)")
     ap.add_argument("--width", type=_positive(int, "an integer > 0"), help="m, replacing the table's")
     ap.add_argument("--steps", type=_positive(int, "an integer > 2 (two schedule steps, then minibatches)"),
-                    help="T, replacing the table's")
+                    help="T, replacing the table's: it sets the theory's eta (and the mixture's step count)")
 
     def check(parser, args):
         if args.steps is not None and args.steps < 3:
@@ -129,13 +137,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parse_experiment_args(ap, argv, check=check)
 
 
-def run_of(setting: Setting, method: Method, seed: int, lr3: float, args, name: str) -> Run:
-    """One method at one setting, seed and stage-3 step-size multiplier (no validation during the fit:
-    :func:`collect` scores the whole splits at the end)."""
+def run_of(setting: Setting, method: Method, seed: int, lr3: tuple[float, float | None], args, name: str) -> Run:
+    """One method at one setting, seed and stage-3 step-size multipliers (first layer, second layer; None:
+    the first's), no validation during the fit: :func:`collect` scores the whole splits at the end."""
+    T = args.steps or setting.steps
     over = {"data": CONFIGS / "two_layer" / setting.data, "model.init_args.width": args.width or setting.width,
-            "trainer.max_steps": args.steps or setting.steps, "trainer.limit_val_batches": 0,
-            "model.init_args.lr3_mult": lr3, "model.init_args.reg3_mult": SETTINGS.reg3_mult,
-            "heatmap.every_n_steps": 10 ** 9}
+            "model.init_args.steps": T, "trainer.max_steps": 2 + args.stage3_steps if setting.stage3 else T,
+            "trainer.limit_val_batches": 0, "model.init_args.lr3_mult": lr3[0], "model.init_args.lr3a_mult": lr3[1],
+            "model.init_args.reg3_mult": SETTINGS.reg3_mult, "heatmap.every_n_steps": 10 ** 9}
     if method.model is not None:
         over["model"] = method.model
     if setting.dim is not None:
@@ -160,24 +169,47 @@ def collect(cli, neurons: bool = False) -> dict:
     if "cos_centres_min" in final:
         res["cos_centres_min"] = final["cos_centres_min"] if own else None
         res["cos_centres_mean"] = final["cos_centres_mean"] if own else None
-    return {"result": res, "tunes_lr3": model.tunes_lr3, "neurons": model.neuron_picture() if neurons else None}
+    return {"result": res, "tunes_lr3": model.tunes_lr3, "moves_w": model.frozen_after != 0,
+            "neurons": model.neuron_picture() if neurons else None}
 
 
 @functools.lru_cache(maxsize=None)
-def tunes_lr3(config: str, model: str | None) -> bool:
-    """Whether a method's stage-3 step size matters (not for a probe's readout solved exactly), from its
-    resolved config: to count the fits before running them."""
+def grid_kind(config: str, model: str | None) -> int:
+    """How many of a column's grid points it trains, from its resolved config, to count the fits before running
+    them: 0 for a probe's readout solved exactly, 1 per second-layer step for a first layer frozen from the start
+    (RF), else all."""
     over = {} if model is None else {"model": model}
-    init = Run(f"two_layer/{config}", "", over).resolved()["model"]["init_args"]
-    return init.get("readout", "schedule") != "best"
+    resolved = Run(f"two_layer/{config}", "", over).resolved()["model"]
+    if resolved["init_args"].get("readout", "schedule") == "best":
+        return 0
+    module, name = resolved["class_path"].rsplit(".", 1)
+    return 1 if getattr(getattr(importlib.import_module(module), name), "frozen_after", None) == 0 else 2
 
 
-def tune(study: Study, setting: Setting, label: str, args) -> tuple[float, dict]:
-    """The lr3 multiplier of ``args.lr3_grid`` with the best validation accuracy on the first seed, and
-    every trial's collected result (one trial for a method whose step size changes nothing)."""
+def grid_of(setting: Setting, args) -> list[tuple[float, float | None]]:
+    """The (first layer, second layer) multipliers a tuned column tries: every pair of the two grids, or on
+    a table without the stage-3 protocol ``lr3_grid`` for both layers."""
+    if not setting.stage3:
+        return [(lr, None) for lr in args.lr3_grid or SETTINGS.plain_lr3_grid]
+    return [(lr, lra) for lr in args.lr3_grid or SETTINGS.lr3_grid for lra in args.lr3a_grid]
+
+
+def lr3_key(lr3: tuple[float, float | None]) -> str:
+    """A trial's name in the results: ``w x1 / a x100`` (``x1`` where both layers share it)."""
+    return f"x{lr3[0]:g}" if lr3[1] is None else f"w x{lr3[0]:g} / a x{lr3[1]:g}"
+
+
+def tune(study: Study, setting: Setting, label: str, args) -> tuple[tuple, dict]:
+    """The multipliers of :func:`grid_of` with the best validation accuracy on the first seed, and every
+    trial's collected result (one trial for a method whose step size changes nothing)."""
     method, first, trials = methods_of(setting)[label], args.seed[0], {}
-    for lr3 in args.lr3_grid:
-        run = run_of(setting, method, first, lr3, args, _slug(f"{setting.name}_{label}_lr{lr3}_s{first}"))
+    for lr3 in grid_of(setting, args):
+        same = [t for t in trials if lr3[1] is not None and t[1] == lr3[1] and not trials[t].get("moves_w", True)]
+        if same:  # a first layer frozen from the start (RF): its step size changes nothing, the trial is shared
+            trials[lr3] = trials[same[0]]
+            continue
+        tag = "_".join(f"{v:g}" for v in lr3 if v is not None)
+        run = run_of(setting, method, first, lr3, args, _slug(f"{setting.name}_{label}_lr{tag}_s{first}"))
         trials[lr3] = study.fit(run, functools.partial(collect, neurons=label == "Network"))
         if not trials[lr3].get("tunes_lr3", True):  # a probe solved exactly: every step size gives the same fit
             break
@@ -199,20 +231,21 @@ def run_setting(study: Study, setting: Setting, args) -> tuple[dict, object]:
         for seed in args.seed[1:]:
             run = run_of(setting, methods[label], seed, best, args, _slug(f"{setting.name}_{label}_s{seed}"))
             per_seed[seed] = _result(study.fit(run, collect))
-        out[label] = {"lr3_mult": best if tunes else None, "per_seed": per_seed,
-                      "trials": {str(lr): _result(r) for lr, r in trials.items()}}
+        out[label] = {"lr3_mult": lr3_key(best) if tunes else None, "per_seed": per_seed,
+                      "trials": {lr3_key(lr): _result(r) for lr, r in trials.items()}}
     return out, figure
 
 
-def _result(collected: dict) -> dict:
-    """The table's numbers of a collected fit (a diverged one: its error)."""
+def _result(collected: dict) -> dict:  # the table's numbers of a collected fit (a diverged one: its error)
     return collected.get("result", collected)
 
 
 def count_fits(args) -> int:
-    grid, seeds = len(args.lr3_grid), len(args.seed) - 1
-    return sum((grid if tunes_lr3(method.config, method.model) else 1) + seeds for st in SETTINGS.tables[args.table]
-               for label, method in methods_of(st).items() if label in args.methods)
+    seeds = len(args.seed) - 1
+    def size(st, grid, kind):
+        return 1 if kind == 0 else len(grid) if kind == 2 or not st.stage3 else len({a for _, a in grid})
+    return sum(size(st, grid_of(st, args), grid_kind(method.config, method.model)) + seeds
+               for st in SETTINGS.tables[args.table] for label, method in methods_of(st).items() if label in args.methods)
 
 
 def _preset_num_train(settings: list[Setting]) -> int | str:
@@ -238,10 +271,14 @@ def cells(result: dict) -> dict[str, str]:
 def markdown(results: dict, meta: dict) -> str:
     mog = meta["table"] == "MOG"
     first = meta["seeds"].split(",")[0].split("..")[0]
+    budget = (f"its step size chosen from x{meta['lr3_grid']} of the theory's" if mog else
+              f"{meta['stage3_steps']} stage-3 minibatch steps after steps 1-2, the first layer's step x"
+              f"{meta['lr3_grid']} and the second layer's x{meta['lr3a_grid']} of the theory's eta at T = "
+              f"{meta['T']}, every pair tried, the pair chosen")
     lines = [f"Shi 2024, Chapter 2, Table {meta['table']}: measured{'' if mog else ' (paper)'}. {meta['command']}", "",
              f"seeds {meta['seeds']}; n = {meta['num_train']} training samples; wall {meta['wall_s']} s. Same tuning "
-             f"budget for every column that takes stage-3 steps: its step size chosen from x{meta['lr3_grid']} of "
-             f"the theory's on validation accuracy (seed {first}); lambda^(3..T) x{SETTINGS.reg3_mult}." +
+             f"budget for every column that takes stage-3 steps: {budget} on validation accuracy (seed {first}); "
+             f"lambda^(3..T) x{SETTINGS.reg3_mult}." +
              ("" if mog else " One / Two Step: the best classifier on the frozen hidden layer, solved exactly "
                              "(L2-SVM, Newton; 'exact'), as the paper's 'best classifiers'."), ""]
     if mog:
@@ -263,8 +300,7 @@ def markdown(results: dict, meta: dict) -> str:
                 theirs = paper.get(label, [None] * 3)[i]
                 row_cells.append(f"{ours} ({'NA' if theirs is None else theirs})")
             lines.append(f"| {row} | " + " | ".join(row_cells) + " |")
-        lines.append("| lr3 x | " + " | ".join("exact" if res[m]["lr3_mult"] is None else f"{res[m]['lr3_mult']:g}"
-                                               for m in methods) + " |")
+        lines.append("| lr3 x | " + " | ".join(res[m]["lr3_mult"] or "exact" for m in methods) + " |")
         lines.append("")
     return "\n".join(lines)
 
@@ -289,7 +325,10 @@ def main(argv=None) -> dict:
             groups[f"{name} paper"] = {m: paper[m][1] for m in res if m in paper}
     figures["accuracy"] = bars_figure(groups, ylabel="test accuracy (%)", title=f"Table {args.table}")
     from featlearn.experiments.noncontrastive import seed_ranges
-    meta = {"table": args.table, "seeds": seed_ranges(args.seed), "lr3_grid": args.lr3_grid,
+    grids = {g for st in SETTINGS.tables[args.table] for g in [tuple(lr for lr, _ in grid_of(st, args))]}
+    meta = {"table": args.table, "seeds": seed_ranges(args.seed), "lr3_grid": sorted(set().union(*grids)),
+            "lr3a_grid": args.lr3a_grid, "stage3_steps": args.stage3_steps,
+            "T": "/".join(sorted({str(args.steps or st.steps) for st in SETTINGS.tables[args.table]})),
             "num_train": args.num_train or _preset_num_train(SETTINGS.tables[args.table]), "threads": args.threads,
             "wall_s": round(time.time() - t0, 1),
             "command": shlex.join(["python", "-m", "featlearn.experiments.two_layer",

@@ -32,7 +32,8 @@ from featlearn.datamodules.base import SyntheticDataModule
 from featlearn.errors import ConfigError, DivergenceError
 from featlearn.lightning_modules.base import FeatureLearningModule
 from featlearn.quiet import quiet_known_noise
-from featlearn.validation import NonNegativeInt, PositiveInt, accepts, describe, int_at_least, number_type
+from featlearn.validation import (NonNegativeInt, PositiveInt, accepts, check_yaml_files, describe, int_at_least,
+                                  number_type)
 
 GrowthFactor = number_type("GrowthFactor", float, 1, math.inf, True, True, "a finite factor > 1")
 
@@ -85,6 +86,8 @@ class FeatlearnCLI(LightningCLI):
         # no prefix matching: `--trainer.max_step 5` is refused (with a suggestion), not read as max_steps
         kwargs.setdefault("parser_kwargs", {"allow_abbrev": False, "epilog": OTHER_COMMANDS,
                                             "formatter_class": _RawEpilog})
+        argv = kwargs.get("args")
+        check_yaml_files(sys.argv[1:] if argv is None else argv)
         quiet_known_noise()
         super().__init__(*args, **kwargs)
 
@@ -225,10 +228,24 @@ def short_message(message: str) -> str:
         except (ValueError, SyntaxError):
             allowed = f"one of ({literal.group(1)})"
         reason = f"must be {allowed}, got {literal.group(2)!r}"
-    plain = re.match(r"Expected a <class '(\w+)'>\. Got value: (.*)$", reason)
-    if plain:
-        reason = f"must be of type {plain.group(1)}, got {plain.group(2)!r}"
+    plain = re.match(r"Expected a <class '(\w+)'>(?:\. Got value: (.*))?$", reason)
+    given = re.search(r"^\s*Given value: (.*)$", message, re.MULTILINE)
+    given = plain.group(2) if plain and plain.group(2) is not None else given.group(1) if given else None
+    if plain and field in RUN_FIELDS:  # a Lightning annotation (float | None): say what featlearn allows
+        allowed, note = RUN_FIELDS[field]
+        reason = f"must be {describe(allowed)}" + (f" ({note})" if note else "") + f", got {given!r}"
+    elif plain and plain.group(1) == "float" and given is not None and _not_finite(given):
+        reason = f"must be a finite number, got {given!r}"   # nan and inf are floats to Python, not to us
+    elif plain:
+        reason = f"must be of type {plain.group(1)}, got {given!r}"
     return f"{field}: {reason}"
+
+
+def _not_finite(text: str) -> bool:
+    try:
+        return not math.isfinite(float(text))
+    except ValueError:
+        return False
 
 
 def _check_devices(value) -> None:
@@ -312,6 +329,10 @@ def main(args=None) -> None:
         _refuse(str(err))
     except DivergenceError as err:
         sys.exit(f"diverged: {err}")
+    except RuntimeError as err:
+        if not getattr(err, "featlearn_message", None):
+            raise
+        sys.exit(f"error: {err.featlearn_message}")  # a lost rank: the line says it all, not gloo's traceback
 
 
 def _close_process_group() -> None:

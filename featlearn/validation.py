@@ -42,6 +42,7 @@ import math
 import os
 import types
 import typing
+from pathlib import Path
 from typing import Literal, Union
 
 from jsonargparse.typing import extend_base_type
@@ -51,7 +52,7 @@ from featlearn.errors import ConfigError
 __all__ = ["number_type", "PositiveInt", "NonNegativeInt", "int_at_least", "FiniteFloat", "PositiveFloat",
            "NonNegativeFloat", "OpenUnitInterval", "ClosedUnitInterval", "LeftOpenUnitInterval",
            "RightOpenUnitInterval", "check_args", "accepts", "describe", "check_memory", "available_memory",
-           "own_cuda_device", "format_bytes"]
+           "own_cuda_device", "format_bytes", "check_yaml_files"]
 
 
 def number_type(name: str, base: type, low: float, high: float, low_open: bool, high_open: bool,
@@ -287,3 +288,45 @@ def check_memory(prefix: str, func, sizes: dict, needed: float, what: str, devic
         raise ConfigError(f"{prefix}.{field}", f"small enough to fit in memory: {what} needs about "
                                               f"{format_bytes(needed)}, the {source} is {format_bytes(limit)}",
                           sizes[field])
+
+
+# ------------------------------------------------------------------------------------------------
+# config files
+# ------------------------------------------------------------------------------------------------
+def check_yaml_files(args) -> None:
+    """Refuse a ``--config`` file (or a YAML file it names, such as ``data: data_tiny.yaml``) that is not
+    valid YAML with its path, line and column: jsonargparse reports the parser's words about a
+    ``<unicode string>`` and the first line of them only."""
+    import yaml
+
+    if not isinstance(args, (list, tuple)):
+        return
+    paths = [b for a, b in zip(args, args[1:]) if a == "--config"]
+    paths += [a.split("=", 1)[1] for a in args if isinstance(a, str) and a.startswith("--config=")]
+    seen = set()
+    while paths:
+        path = Path(paths.pop())
+        if path in seen or not path.is_file():  # a missing file is the parser's to refuse
+            continue
+        seen.add(path)
+        try:
+            data = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as error:
+            mark = getattr(error, "problem_mark", None)
+            where = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            problem = getattr(error, "problem", None) or error
+            raise ConfigError("--config", "valid YAML", f"{path}{where}: {problem}") from None
+        except (OSError, UnicodeDecodeError):
+            continue
+        paths += [str(path.parent / v) for v in _strings(data) if v.endswith((".yaml", ".yml"))]
+
+
+def _strings(node):
+    if isinstance(node, str):
+        yield node
+    elif isinstance(node, dict):
+        for value in node.values():
+            yield from _strings(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from _strings(value)

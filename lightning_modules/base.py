@@ -51,6 +51,11 @@ class FeatureLearningModule(L.LightningModule):
     blowup_factors: dict[str, float | None] = {"loss": None, "weight_norm": 100.0}
     """Per-method defaults of :class:`~featlearn.callbacks.DivergenceGuard`: a quantity that grows past
     this factor of its smallest value over the guard's window is a blow-up (``None``: not watched)."""
+    weight_norm_scale: float | None = None
+    """Weights that start at 0 have no initial norm to measure growth from: the guard then measures the
+    weight norm against this scale while the smallest over its window is below it (``None``: no scale)."""
+    step_size_fields: tuple[str, ...] = ("lr",)
+    """The ``__init__`` arguments that set the step size, which a divergence message tells the user to lower."""
 
     def __init__(self):
         super().__init__()

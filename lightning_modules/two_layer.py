@@ -6,8 +6,8 @@ per method, in :mod:`~featlearn.lightning_modules.two_layer_baselines`; the conf
 activation is smoothed by Gaussian noise of std ``sigma_xi`` in closed form (the fused op
 :func:`featlearn.kernels.smoothed_clamp.smoothed_clamp_layer`). Mirrored initialisation: for ``i <= m``,
 ``w_i ~ N(0, sigma_w^2 I)``, ``b_i ~ N(0, sigma_b^2)``, ``a_i ~ N(0, sigma_a^2)`` and
-``(w_{m+i}, b_{m+i}, a_{m+i}) = (w_i, b_i, -a_i)``, so ``g = 0`` at init (``sigma_w = 1/k``,
-``sigma_b = 1/k^2``, ``sigma_a = sigma~^2/(gamma k^2)``).
+``(w_{m+i}, b_{m+i}, a_{m+i}) = (w_i, b_i, -a_i)``, so ``g = 0`` at init (``sigma_w = 1/k``, ``sigma_b = 1/k^2``,
+``sigma_a = sigma~^2/(gamma k^2)``).
 
 Loss: the hinge ``max(1 - y g, 0)`` (class-weighted by ``1/(2 Pr[y])`` in steps 1-2 with
 ``class_weighted``), plus ``lambda_a sum a_i^2 + lambda_w sum ||w_i||^2`` (b not regularised), minimised by
@@ -18,9 +18,8 @@ step 2 full batch, ``a, w <- -grad L``; steps 3..T minibatches, no smoothing. Th
 full-batch steps (:meth:`StructuredParityDataModule.use_full_batch_steps`). ``schedule: plain`` skips the
 feature-learning steps (every step a stage-3 step): the "typical practice" training of the
 mixture-of-Gaussians runs (Shi 2024, App. A.7.3), whose labelling has gamma = 0 (give ``sigma_a`` then).
-
-The network without input structure is :class:`TwoLayerNetwork` on ``data.structure: false`` (its
-sigma_a and eta^(1) use gamma of the structured distribution; F_Xi0 has gamma = 0).
+The network without input structure is :class:`TwoLayerNetwork` on ``data.structure: false`` (its sigma_a and
+eta^(1) use gamma of the structured distribution; F_Xi0 has gamma = 0).
 
 Theory metrics: ``CosSim = max_i cos(w_i, sum_{j in A} M_j)`` at init and after steps 1, 2 and T, the
 validation accuracy, and an MDS picture of the neuron directions after init, step 1 and step 2 (TensorBoard
@@ -67,11 +66,11 @@ class TwoLayerBase(FeatureLearningModule):
             ``plain`` (stage-3 steps from the first, no feature-learning steps; not for the probes).
         lr1_mult, smoothing_mult, lr3_mult, reg3_mult: multipliers of eta^(1), sigma_xi^(1,2), eta^(3..T)
             and lambda^(3..T) against the theory's formulas (the paper does not print its values).
+        lr3a_mult: the second layer's own stage-3 multiplier (None: ``lr3_mult``, which alone at 0 freezes w, b).
         steps: T, the schedule's total number of steps (None: ``trainer.max_steps``).
         sigma_w, sigma_b, sigma_a: init stds (None: 1/k, 1/k^2, sigma~^2/(gamma k^2)).
         class_weighted: weight the hinge by 1/(2 Pr[y = v]) in steps 1-2 (the general setting, App. A.8).
-        init_seed: seed of the initialisation (None: the data seed).
-        backend: the op's backend (``auto``: Triton on CUDA).
+        init_seed: seed of the initialisation (None: the data seed). backend: the op's (``auto``: Triton on CUDA).
         input_precision: the op's GEMM precision on a GPU (``ieee`` default: w^(1) is ~1e-8 of b).
     """
 
@@ -79,6 +78,7 @@ class TwoLayerBase(FeatureLearningModule):
     heatmap_axes = ("neuron", "relevant pattern")
     # steps 1-2 replace the weights by gradients: the norm changes by orders of magnitude by design
     blowup_factors = {"loss": None, "weight_norm": None}
+    step_size_fields = ("lr1_mult", "lr3_mult", "lr3a_mult")
     feature_learning = True
     frozen_after: int | None = None
 
@@ -88,8 +88,9 @@ class TwoLayerBase(FeatureLearningModule):
         schedule: Literal["A20", "A17", "A28", "plain"] = "A20",
         lr1_mult: PositiveFloat = 1.0,
         smoothing_mult: NonNegativeFloat = 1.0,
-        lr3_mult: PositiveFloat = 1.0,
+        lr3_mult: NonNegativeFloat = 1.0,
         reg3_mult: NonNegativeFloat = 1.0,
+        lr3a_mult: PositiveFloat | None = None,
         steps: PositiveInt | None = None,
         sigma_w: PositiveFloat | None = None,
         sigma_b: NonNegativeFloat | None = None,
@@ -104,14 +105,14 @@ class TwoLayerBase(FeatureLearningModule):
         self.save_hyperparameters()
         self.width = width
         self.mults = {"lr1_mult": float(lr1_mult), "smoothing_mult": float(smoothing_mult),
-                      "lr3_mult": float(lr3_mult), "reg3_mult": float(reg3_mult)}
+                      "lr3_mult": float(lr3_mult), "reg3_mult": float(reg3_mult),
+                      "lr3a_mult": None if lr3a_mult is None else float(lr3a_mult)}
         self.steps, self.class_weighted, self.init_seed = steps, class_weighted, init_seed
         self.init_std = (sigma_w, sigma_b, sigma_a)
         self.backend = backend
         self.snapshots: dict[str, torch.Tensor] = {}
         # torchmetrics reduces sums and counts over ranks: the accuracy of the whole split under DDP
         self.split_accuracy = torch.nn.ModuleDict({"val": MeanMetric(), "test": MeanMetric()})
-        self.automatic_optimization = True
 
     # --- parameters ---------------------------------------------------------------------------
     def build(self, dm: StructuredParityDataModule) -> None:
@@ -195,13 +196,13 @@ class TwoLayerBase(FeatureLearningModule):
         stage = 3 if not self.feature_learning or self.hparams.schedule == "plain" else min(step, 3)
         if frozen is not None and step > frozen:
             stage = 3
-        decay3 = 1 - 2 * th["lr3"] * th["reg3"]
+        decay3, decay3a = (1 - 2 * th[lr] * th["reg3"] for lr in ("lr3", "lr3a"))
         if stage == 1:
             groups = {"a": (th["lr1"], 1.0), "w": (th["lr1"], 0.0), "b": (th["lr1"], 1.0)}
         elif stage == 2:
             groups = {"a": (1.0, 0.0), "w": (1.0, 0.0), "b": (1.0, 1.0)}
         else:
-            groups = {"a": (th["lr3"], decay3), "w": (th["lr3"], decay3), "b": (th["lr3"], 1.0)}
+            groups = {"a": (th["lr3a"], decay3a), "w": (th["lr3"], decay3), "b": (th["lr3"], 1.0)}
         if frozen is not None and step > frozen:
             groups["w"] = groups["b"] = (0.0, 1.0)
         readout = self.readout_step()
@@ -270,8 +271,7 @@ class TwoLayerBase(FeatureLearningModule):
         return neuron_picture({n: self.snapshots[n] for n in names}, self.direction, getattr(self, "centres", None),
                               self.k)
 
-    def neuron_figure(self):
-        """:func:`draw_neurons` of :meth:`neuron_picture` (None where that is None)."""
+    def neuron_figure(self):  # None where neuron_picture is None
         return draw_neurons(self.neuron_picture())
 
     def final_metrics(self) -> dict[str, float]:

@@ -10,8 +10,10 @@ tuned on the same grid by the experiment.
 * :class:`TwoLayerRF`: the second layer only, first layer frozen at init (random features);
 * :class:`TwoLayerOneStep` / :class:`TwoLayerTwoStep`: steps 1 (and 2) of the schedule, then the first
   layer frozen and "the best classifier" on the hidden layer (``readout: best``): at the next step, a
-  full-batch one, the second layer is set to :func:`~featlearn.theory.two_layer.best_linear_classifier`
-  of the whole training split, and the remaining steps change nothing. ``readout: schedule`` trains it
+  full-batch one, the readout is set to :func:`~featlearn.theory.two_layer.best_linear_classifier` of the
+  whole training split's hidden layer, standardised (float64, per neuron, with an intercept), and the
+  remaining steps change nothing. Standardised because the step-1 features vary by ~1e-8 around their
+  mean (eta^(1) ~ 1e-8): on the raw float32 layer a tiny ridge is already the constant predictor. ``readout: schedule`` trains it
   with the stage-3 steps instead, which at the theory's step size stops at the threshold rule (README,
   chapter 2).
 
@@ -116,6 +118,23 @@ class TwoLayerProbe(TwoLayerFrozen):
         super().__init__(schedule=schedule, **base)
         self.readout, self.readout_ridge = readout, float(readout_ridge)
 
+    def init_parameters(self, w: torch.Tensor, b: torch.Tensor, a: torch.Tensor) -> None:
+        super().init_parameters(w, b, a)
+        # the readout on standardised features: mean, scale, coefficients + intercept (float64, checkpointed)
+        for name, size in (("readout_mean", len(a)), ("readout_scale", len(a)), ("readout_coef", len(a) + 1)):
+            self.register_buffer(name, torch.zeros(size, dtype=torch.float64, device=a.device))
+
+    def readout_features(self, x: torch.Tensor) -> torch.Tensor:
+        """The frozen hidden layer in float64 (no smoothing: stage 3's), standardised once the readout is set;
+        float64 because ``<w_i, x>`` is ~1e-7 of ``b_i`` after step 1 and float32 rounds it away."""
+        h = torch.clamp(torch.addmm(self.b.detach().double(), x.double(), self.w.detach().double().T), 0, 1)
+        return (h - self.readout_mean) / self.readout_scale
+
+    def forward(self, x: torch.Tensor, smoothing: float = 0.0) -> torch.Tensor:
+        if self.readout != "best" or not bool(self.readout_scale.any()):
+            return super().forward(x, smoothing)
+        return (self.readout_features(x) @ self.readout_coef[:-1] + self.readout_coef[-1]).to(x.dtype)
+
     def readout_step(self) -> int | None:
         """The step after the first layer freezes (``readout: best``), None with ``readout: schedule``."""
         return self.frozen_after + 1 if self.readout == "best" else None
@@ -138,13 +157,24 @@ class TwoLayerProbe(TwoLayerFrozen):
 
     @torch.no_grad()
     def fit_readout(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        """Set the second layer to the best linear classifier of the hidden layer on ``(x, y)`` (every
-        rank's share gathered first, so all ranks solve the same problem)."""
-        h = self.hidden(x)
+        """Set the readout to the best linear classifier (with intercept) of the standardised hidden layer on
+        ``(x, y)`` (every rank's share gathered first, so all ranks solve the same problem); ``a`` gets its
+        coefficients on the raw layer, the intercept stays in ``readout_coef``."""
+        self.readout_mean.zero_()
+        self.readout_scale.fill_(1.0)
+        h = self.readout_features(x)
         trainer = self._trainer
         if trainer is not None and trainer.world_size > 1:
             h, y = self.all_gather(h).flatten(0, 1), self.all_gather(y).flatten(0, 1)
-        self.a.copy_(best_linear_classifier(h, y, self.readout_ridge).to(self.a.dtype))
+        mean, std = h.mean(0), h.std(0)
+        # a neuron constant on the training split carries nothing: scale 1 keeps its standardised value at 0
+        scale = torch.where(std > 0, std, torch.ones_like(std))
+        h = (h - mean) / scale
+        coef = best_linear_classifier(torch.cat([h, torch.ones_like(h[:, :1])], 1), y.double(), self.readout_ridge)
+        self.readout_mean.copy_(mean)
+        self.readout_scale.copy_(scale)
+        self.readout_coef.copy_(coef)
+        self.a.copy_((coef[:-1] / scale).to(self.a.dtype))
 
 
 class TwoLayerOneStep(TwoLayerProbe):

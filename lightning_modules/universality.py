@@ -42,6 +42,7 @@ Example:
 """
 from __future__ import annotations
 
+import warnings
 from typing import Literal
 
 import torch
@@ -80,6 +81,9 @@ def contrastive_loss(f: torch.Tensor, f_pos: torch.Tensor, loss: str = "theory",
         logits = f @ f_pos.t() / temperature
         return F.cross_entropy(logits, torch.arange(len(f), device=f.device))
     raise ConfigError("model.loss", "'theory', 'triplet', 'pca' or 'infonce'", loss)
+
+
+MIN_JUDGED_STEPS = 50  # runs shorter than this are not judged by learning_note
 
 
 class LinearContrastive(FeatureLearningModule):
@@ -188,6 +192,11 @@ class LinearContrastive(FeatureLearningModule):
                                     self.hparams.temperature)
         if self._trainer is not None and self.theory_due():
             self.log("train/loss", loss, sync_dist=True)
+        # a running mean on the device (no host sync) for the end-of-run check of on_train_end
+        now = loss.detach().float()
+        self._loss_start = now if getattr(self, "_loss_start", None) is None else self._loss_start
+        recent = getattr(self, "_loss_recent", None)
+        self._loss_recent = now if recent is None else 0.9 * recent + 0.1 * now
         return loss
 
     def finish_step(self, step: int) -> None:
@@ -261,6 +270,36 @@ class LinearContrastive(FeatureLearningModule):
         for name, rows in down.items():
             out[f"downstream_{name}_mse"] = rows[self.m]["mse"]
         return out
+
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        note = self.learning_note()
+        if note is not None:
+            warnings.warn(note, stacklevel=1)
+
+    def learning_note(self, margin: float = 0.05) -> str | None:
+        """A warning when the run failed to learn: the projection bounds ``||W||``, so a step size too large
+        cannot blow up (the guard stays silent), it only stalls. The recent training loss is compared with the
+        closed-form optimum (``theory``, ``pca``): it must close all but ``margin`` of the gap from its start;
+        losses without a closed form must at least end below their start."""
+        if getattr(self, "_loss_recent", None) is None or self.global_step < MIN_JUDGED_STEPS:
+            return None  # a few steps (a smoke run) are not expected to close the gap
+        start, end = float(self._loss_start), float(self._loss_recent)
+        hp, field = self.hparams, f"--model.init_args.lr (now {self.hparams.lr:g})"
+        if hp.loss in ("theory", "pca") and hp.mode != "cr":
+            p = self.predicted()
+            tasks = list(range(self.T)) if hp.mode == "universal" else [self.target]
+            best = contrastive_loss_closed_form(p["S"], [p[f"P{t}"] for t in tasks], self.s, self.r,
+                                                [self.task_weights[t] for t in tasks], *self.sigmas[:2], hp.loss,
+                                                samples=100_000)
+            if start - best > 0 and (end - best) > margin * (start - best):
+                return (f"model did not learn: the training loss ended at {end:.4g}, against {best:.4g} at the "
+                        f"closed-form optimum (it started at {start:.4g}); the projection keeps ||W|| bounded, so "
+                        f"a step size too large stalls instead of blowing up: try a smaller {field}")
+        elif end >= start:
+            return (f"model did not learn: the training loss ended at {end:.4g}, not below its start {start:.4g}; "
+                    f"try a smaller {field}")
+        return None
 
     def correlations(self) -> torch.Tensor:
         """``W M`` ``[k, d]``: how each representation unit reads each latent feature."""

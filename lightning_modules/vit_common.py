@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from featlearn.datamodules.global_local_patches import GlobalLocalPatchDataModule
+from featlearn.callbacks.divergence import check_guards
 from featlearn.lightning_modules.base import FeatureLearningModule
 from featlearn.metrics import to_host
 from featlearn.metrics.figures import heatmap_figure, tensorboard_writer
@@ -100,10 +101,12 @@ class GlobalLocalViT(FeatureLearningModule):
 
     datamodule_class = GlobalLocalPatchDataModule
     heatmap_axes = ("position p (sorted by its area in cluster 0)", "feature v_{k,m} (k N + m)")
-    # Both losses are bounded (attention outputs are convex combinations of bounded patches), the MAE batch
-    # loss is heavy-tailed near its floor (a batch with a fully masked area costs 1/2 z^2 per patch of it), and
-    # the weights start at 0 and grow by orders of magnitude: only non-finite values mean divergence here.
-    blowup_factors = {"loss": None, "weight_norm": None}
+    # Both losses are bounded (attention outputs are convex combinations of bounded patches) and the MAE batch
+    # loss is heavy-tailed near its floor (a batch with a fully masked area costs 1/2 z^2 per patch of it): the
+    # loss is not watched. The weights start at 0, so their growth is measured against weight_norm_scale (set in
+    # build_common): the shipped configs stay below 1.5x it (P = 256), while lr 1e6 (MAE) or 1e9 (CL) jumps to
+    # ~1e4x it in one step and then sits in a saturated softmax that no longer learns.
+    blowup_factors = {"loss": None, "weight_norm": 100.0}
 
     def build_common(self, dm: GlobalLocalPatchDataModule) -> None:
         self.P, self.K, self.d, self.n_areas = dm.P, dm.K, dm.d, dm.n_areas
@@ -111,6 +114,8 @@ class GlobalLocalViT(FeatureLearningModule):
         self.z_moments = dm.z_moments
         self.param_dtype = dm.dtype
         self.heatmap_scale = float(math.ceil(math.log(dm.P)))  # own-area correlations end near log(P / eps)
+        # every one of the P query rows at that correlation: a softmax already close to one-hot
+        self.weight_norm_scale = self.heatmap_scale * math.sqrt(dm.P)
         self.register_ground_truth("E", dm.E)
         self.register_ground_truth("V", dm.V)
         self.register_ground_truth("partition", dm.partition)
@@ -236,6 +241,9 @@ class GlobalLocalViT(FeatureLearningModule):
         writer = tensorboard_writer(self._trainer)
         if writer is None:
             return
+        # the figures read the weights to the host anyway: let the guard judge the kept steps first, so diverged
+        # weights stop the run with its message rather than in a histogram of non-finite values
+        check_guards(self._trainer)
         step = self.global_step
         if maps is not None and self.has_grid:
             for name, value in self.diversity(*maps).items():

@@ -101,6 +101,10 @@ CASES = [
     (["noncontrastive/with_head_population"], ["--checkpoint.every_n_epochs", "-1"], "checkpoint.every_n_epochs"),
     (["mrp/teacher_student_mc"], ["--divergence.window", "0"], "divergence.window"),
     (["contrastive/random_mask"], ["--config", "{yaml:divergence: {weight_growth: .nan}}"], "divergence.weight_growth"),
+    # ---- issue 22: trained, or named the wrong field ---------------------------------------------------
+    (["vit/cl"], [D + "d", "1000000000"], "data.d"),                    # the memory refusal named data.K
+    (["universality/universal"], [D + "T", "1"], "data.T"),             # trained; another task is needed
+    (["mrp/teacher_student"], ["--config", "{yaml:model: {init_args: {lr: [1, 2}}}"], "--config"),
 ]
 
 # ---- every field of every module and DataModule, out of range --------------------------------------
@@ -258,6 +262,26 @@ def test_bad_input_refused_before_work(config, args, field, ckpts, tmp_path, mon
     assert re.match(rf"error: {re.escape(field)}\b", first), text[-2000:]
     assert "usage:" not in text, "the usage text hides the error"
     assert not work.exists() and not (tmp_path / "lightning_logs").exists(), "a run directory was created"
+
+
+# ---- issue 22: the right words, not only the right field ----------------------------------------------
+WORDS = [  # the first two were "Expected a <class ...>" from jsonargparse; the YAML error gave no file or line
+    (["--config", config_path("contrastive/random_mask"), "--divergence.weight_growth", "nan"],
+     r"divergence\.weight_growth: must be a finite factor > 1 or null, got 'nan'$"),
+    (["--config", config_path("mrp/teacher_student"), "--trainer.max_steps", "inf"],
+     r"trainer\.max_steps: must be an integer >= -1 \(-1: no limit\), got 'inf'$"),
+    (["--config", config_path("mrp/teacher_student"), "--config", "{yaml:model:\n  init_args:\n    lr: 1: 2}"],
+     r"--config: must be valid YAML, got .*override_3\.yaml, line 3, column 10: mapping values are not allowed"),
+]
+
+
+@pytest.mark.parametrize("args,words", WORDS, ids=[w[:30] for _, w in WORDS])
+def test_refusal_words(args, words, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, text = run_cli(["fit", *resolve(args, {}, tmp_path), "--trainer.default_root_dir", str(tmp_path / "run")])
+    first = next(line for line in text.splitlines() if line.startswith("error:"))
+    assert code not in (0, None) and re.match(rf"error: {words}", first), text[-2000:]
+    assert not (tmp_path / "run").exists()
 
 
 # ---- Python construction refuses the same values with the same words ----------------------------------

@@ -1,6 +1,9 @@
 """Checkpoints hold finished steps: last.ckpt is the final state, and resuming from a periodic checkpoint
 of each method (norm cap active, bias schedule running, EMA target on) ends bit-equal with an
 uninterrupted run."""
+import os
+import signal
+
 import lightning as L
 import pytest
 import torch
@@ -88,3 +91,37 @@ def test_cli_last_checkpoint_is_the_final_state_and_fine_tunes_like_a_final_save
                 for path in (last_path, tmp_path / "pretrained.ckpt")]
     torch.testing.assert_close(encoders[0], encoders[1], rtol=0, atol=0)
     torch.testing.assert_close(encoders[0], cli.model.weight.detach(), rtol=0, atol=0)
+
+
+class _CtrlC(L.Callback):
+    """Sends SIGINT to this process ``times`` times in the middle of step ``at`` (after its forward pass)."""
+
+    def __init__(self, at: int, times: int):
+        self.at, self.times = at, times
+
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        if trainer.global_step + 1 == self.at:
+            for _ in range(self.times):
+                os.kill(os.getpid(), signal.SIGINT)
+
+
+@pytest.mark.parametrize("times,kept", [(1, 13), (2, 10)])
+def test_ctrl_c_saves_the_step_in_progress_and_a_second_one_keeps_the_last_save(tmp_path, capsys, times, kept,
+                                                                               one_thread):
+    """One Ctrl-C in step 13: the step finishes and last.ckpt holds it (Lightning alone: step 10, the
+    periodic save). Two: the user will not wait, and a half-done step is no state to resume from, so
+    last.ckpt stays at step 10 and the message says so."""
+    model, dm = mrp()
+    final = FinalCheckpoint(dirpath=tmp_path, every_n_train_steps=10, save_top_k=0, save_last=True, monitor=None)
+    trainer = L.Trainer(max_steps=100, max_epochs=-1, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[DivergenceGuard(), final, _CtrlC(13, times)],
+                        limit_val_batches=0, num_sanity_val_steps=0, default_root_dir=tmp_path)
+    before = signal.getsignal(signal.SIGINT)
+    try:
+        with pytest.raises(SystemExit):  # Lightning's own end of an interrupted fit
+            trainer.fit(model, dm)
+    finally:
+        signal.signal(signal.SIGINT, before)  # Lightning leaves SIGINT ignored after an interrupt
+    assert torch.load(tmp_path / "last.ckpt", weights_only=False)["global_step"] == kept
+    said = capsys.readouterr().err
+    assert f"holds step {kept}" in said and (times == 1) == (f"interrupted after step {kept}" in said), said

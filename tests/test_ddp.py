@@ -176,6 +176,15 @@ def test_two_processes_match_one_slow(tmp_path, name):
     _check(tmp_path, name)
 
 
+def _ddp_env() -> dict:
+    """A CLI subprocess's environment for a fresh 2-process CPU run: its own port, no inherited rank."""
+    env = {**os.environ, "MASTER_PORT": str(_free_port()), "MASTER_ADDR": "127.0.0.1", "OMP_NUM_THREADS": "1",
+           "PYTHONWARNINGS": "ignore"}
+    for key in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "GLOBAL_RANK", "RANK", "LOCAL_WORLD_SIZE"):
+        env.pop(key, None)
+    return env
+
+
 def _fit_logged(tmp_path: Path, config: str, overrides: list, devices: int, batch_size: int | None,
                 prefix: str = "hp/") -> dict[str, float]:
     """One CLI run with the TensorBoard logger on and every step logged (theory metrics, figures, the
@@ -192,10 +201,7 @@ def _fit_logged(tmp_path: Path, config: str, overrides: list, devices: int, batc
            "--trainer.log_every_n_steps", "1", "--trainer.logger.init_args.save_dir", str(out),
            "--trainer.devices", str(devices), "--trainer.default_root_dir", str(out),
            "--checkpoint.dirpath", str(out / "ckpt"), "--data.batch_size", str(batch_size or "null")]
-    env = {**os.environ, "MASTER_PORT": str(_free_port()), "MASTER_ADDR": "127.0.0.1", "OMP_NUM_THREADS": "1",
-           "PYTHONWARNINGS": "ignore"}
-    for key in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "GLOBAL_RANK", "RANK", "LOCAL_WORLD_SIZE"):
-        env.pop(key, None)
+    env = _ddp_env()
     # its own process group, so that a hung rank 1 (launched by rank 0) is ended with it
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
@@ -271,3 +277,48 @@ def test_two_layer_probe_needs_find_unused_parameters_and_then_matches_one_proce
         atol = rtol * float(single[key].abs().max())
         torch.testing.assert_close(double[key], single[key], rtol=rtol, atol=atol, msg=lambda m: f"{key}: {m}")
     assert not torch.equal(single["a"], torch.zeros_like(single["a"]))
+
+
+@pytest.mark.parametrize("killed", [1, 0])
+def test_a_lost_rank_is_one_line_naming_it_and_the_last_checkpoint(tmp_path, killed):
+    """``kill -9`` of one rank mid-run (issue 22): the other exits non-zero with one line saying which rank was
+    lost and which step ``last.ckpt`` holds, not gloo's "Connection reset by peer" traceback."""
+    import re
+    import signal
+    import time
+
+    tiny = ["--data.k", "4", "--data.d", "16", "--data.P", "10", "--data.s", "1", "--data.num_pretrain", "16",
+            "--model.m", "2", "--model.backend", "torch"]
+    common = list(COMMON)
+    common[common.index("--trainer.max_steps") + 1] = "1000000"
+    common[common.index("--checkpoint.every_n_train_steps") + 1] = "20"
+    cmd = [str(CLI), "fit", "--config", str(ROOT / "configs/mrp/teacher_student.yaml"), *common, *tiny,
+           "--trainer.devices", "2", "--trainer.default_root_dir", str(tmp_path)]
+    env = _ddp_env()
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    try:
+        deadline = time.monotonic() + 180
+        while not last.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:]
+            time.sleep(0.1)
+        time.sleep(1.0)
+        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        assert len(children) == 1, children           # rank 0 is the command; it launched rank 1
+        os.kill(int(children[0]) if killed == 1 else proc.pid, signal.SIGKILL)
+        text = proc.communicate(timeout=150)[0]       # the pipe stays open until the surviving rank exits
+    finally:
+        if proc.poll() is None or killed == 0:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    survivor = 1 - killed
+    if killed == 1:
+        assert proc.returncode not in (0, None), text[-3000:]
+    assert "Traceback" not in text and "Connection reset" not in text, text[-3000:]
+    said = re.search(rf"^error: rank {survivor}: lost rank {killed} of 2 during step \d+; (\S+) holds step (\d+)$",
+                     text, re.MULTILINE)
+    assert said, text[-3000:]
+    assert torch.load(last, weights_only=False)["global_step"] == int(said.group(2))

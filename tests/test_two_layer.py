@@ -54,6 +54,18 @@ def test_schedule_values_follow_theorem_a20_and_variants():
     assert three["groups"]["a"] == pytest.approx((th["lr3"], 1 - 2 * th["lr3"] * th["reg3"]))
 
 
+def test_second_layer_takes_its_own_stage3_step():
+    """Stage 3 steps a with lr3a_mult x eta and w, b with lr3_mult x eta (Lemma A.18's problem is in a alone and
+    needs |a_i| far beyond eta (T - 2)); lr3a_mult None keeps one step for both; steps 1-2 are untouched."""
+    own = TwoLayerNetwork(width=4, steps=10, lr3_mult=0.5, lr3a_mult=200.0, reg3_mult=0.01).attach(_dm())
+    shared = TwoLayerNetwork(width=4, steps=10, lr3_mult=0.5, reg3_mult=0.01).attach(_dm())
+    th, groups = own.theory_values(), own.schedule_at(3)["groups"]
+    assert groups["a"] == pytest.approx((th["lr3a"], 1 - 2 * th["lr3a"] * th["reg3"]))
+    assert groups["a"][0] == pytest.approx(400 * groups["w"][0]) and groups["b"][0] == groups["w"][0]
+    assert groups["w"] == shared.schedule_at(3)["groups"]["w"] == shared.schedule_at(3)["groups"]["a"]
+    assert all(own.schedule_at(t)["groups"] == shared.schedule_at(t)["groups"] for t in (1, 2))
+
+
 def test_step_one_erases_w_exactly():
     """lambda_w = 1/(2 eta): w^(1) = -eta grad_w L bit for bit, whatever w^(0) was (no cancellation)."""
     dm = _dm()
@@ -138,21 +150,46 @@ def test_hinge():
     assert float(hinge(torch.tensor([2.0, 0.0]), torch.tensor([1.0, 3.0]))) == pytest.approx(1.5)
 
 
+def _standardised_svm(model, x, y):
+    """The probes' readout written out: the float64 hidden layer, standardised per neuron over ``x``, an
+    intercept column, the L2-SVM; returns its margins' signs on ``x``."""
+    h = torch.clamp(x.double() @ model.w.detach().double().T + model.b.detach().double(), 0, 1)
+    std = h.std(0)
+    h = (h - h.mean(0)) / torch.where(std > 0, std, torch.ones_like(std))
+    h = torch.cat([h, torch.ones_like(h[:, :1])], 1)
+    return torch.sign(h @ best_linear_classifier(h, y.double(), model.readout_ridge))
+
+
 def test_probe_readout_is_the_best_classifier_on_the_training_split(tmp_path):
-    """Two Step (readout: best): the second layer is the L2-SVM of the frozen step-2 hidden layer on the
-    whole training split, solved at step 3 (a full batch), and no later step moves it."""
+    """Two Step (readout: best): the readout is the L2-SVM of the frozen step-2 hidden layer, standardised,
+    on the whole training split, solved at step 3 (a full batch), and no later step moves it."""
     two, dm = _fit("two_step.yaml", tmp_path / "two", "--model.init_args.backend", "torch")
     train = dm.full("train")
+    expected = _standardised_svm(two, train["x"], train["y"])
     with torch.no_grad():
-        h = two.hidden(train["x"])
-    expected = best_linear_classifier(h, train["y"], two.readout_ridge).to(two.a.dtype)
-    assert torch.allclose(two.a.detach(), expected, rtol=1e-5, atol=1e-6)
+        assert torch.equal(torch.sign(two(train["x"])).double(), expected)
+        expected = two.a.detach().clone()
     assert two.readout_step() == 3 and not two.tunes_lr3 and dm.full_batch_steps == 3
     one, _ = _fit("one_step.yaml", tmp_path / "one")
     assert one.readout_step() == 2 and one.global_step == 5
     # the old reading: the second layer trained by the stage-3 steps, so the step size matters
     sched, _ = _fit("two_step.yaml", tmp_path / "sched", "--model.init_args.readout", "schedule")
     assert sched.readout_step() is None and sched.tunes_lr3 and not torch.allclose(sched.a.detach(), expected)
+
+
+def test_one_step_readout_is_scale_free(tmp_path):
+    """The step-1 features vary by ~1e-8 around their mean: a readout on the raw float32 layer is the ridge's
+    constant predictor (One Step was 50% on every seed). Standardised, the readout sees the features: it
+    separates the training split better than the majority class, as the float64 standardised L2-SVM does."""
+    one, dm = _fit("one_step.yaml", tmp_path / "one", "--data.init_args.num_train", "2048",
+                   "--data.init_args.batch_size", "256", "--model.init_args.width", "24", "--model.init_args.backend",
+                   "torch", "--trainer.max_steps", "3")
+    train = dm.full("train")
+    with torch.no_grad():
+        pred = torch.sign(one(train["x"]))
+        majority = max(float((train["y"] > 0).double().mean()), float((train["y"] < 0).double().mean()))
+        assert float((pred == train["y"]).double().mean()) > majority + 0.05
+        assert torch.equal(pred.double(), _standardised_svm(one, train["x"], train["y"]))
 
 
 def test_best_linear_classifier_is_the_optimum():
@@ -204,7 +241,8 @@ def test_gamma_zero_needs_the_plain_schedule_and_sigma_a():
 
 @pytest.mark.parametrize("kw, field", [
     (dict(width=0), "model.width"), (dict(schedule="A99"), "model.schedule"),
-    (dict(lr3_mult=0.0), "model.lr3_mult"), (dict(reg3_mult=-1.0), "model.reg3_mult"),
+    (dict(lr3_mult=-1.0), "model.lr3_mult"), (dict(reg3_mult=-1.0), "model.reg3_mult"),
+    (dict(lr3a_mult=0.0), "model.lr3a_mult"), (dict(lr3a_mult=float("inf")), "model.lr3a_mult"),
     (dict(sigma_w=float("nan")), "model.sigma_w"), (dict(steps=0), "model.steps"),
     (dict(schedule="plain", cls=TwoLayerTwoStep), "model.schedule"),
     (dict(readout="svm", cls=TwoLayerTwoStep), "model.readout"),

@@ -123,7 +123,7 @@ def data_constants(labeling: str, k: int, num_patterns: int, p_o: float = 0.5, s
 
 def theory_schedule(k: int, m: int, gamma: float, sigma_tilde: float, steps: int, variant: str = "A20",
                     p_min: float = 0.5, lr1_mult: float = 1.0, smoothing_mult: float = 1.0, lr3_mult: float = 1.0,
-                    reg3_mult: float = 1.0) -> dict[str, float]:
+                    reg3_mult: float = 1.0, lr3a_mult: float | None = None) -> dict[str, float]:
     """The three stages of Shi 2024, Theorem A.20 for ``2m`` neurons and ``steps`` = T steps in all.
 
     * step 1: ``lr1 = gamma^2 sigma~^2 / (k m^3)``, ``lambda_a = 0``, ``lambda_w = 1/(2 lr1)`` (w is erased
@@ -137,7 +137,9 @@ def theory_schedule(k: int, m: int, gamma: float, sigma_tilde: float, steps: int
     ``"plain"``: no feature-learning steps, every step is a stage-3 step (the "typical practice" training
     of the mixture-of-Gaussians runs, App. A.7.3, where gamma = 0 leaves steps 1-2 undefined). The
     multipliers scale ``lr1``, the stage-1/2 smoothing, ``lr3`` and ``lambda`` (the experiments of the
-    paper do not print their values).
+    paper do not print their values); ``lr3a`` is the second layer's stage-3 step, ``lr3a_mult``
+    (None: ``lr3_mult``) times the same eta: the proof's stage 3 (Lemma A.18) is a convex problem in ``a`` alone, whose margin needs
+    ``|a_i|`` far above what eta (T - 2) ~ 3.7 reaches, while the first layer cannot take such steps.
     """
     if variant == "plain":
         lr1, smooth = 0.0, 0.0
@@ -148,8 +150,10 @@ def theory_schedule(k: int, m: int, gamma: float, sigma_tilde: float, steps: int
     else:
         lr1, smooth = gamma ** 2 * p_min * sigma_tilde / (k * m ** 3), 1 / k ** 1.5
     cube = m ** (1 / 3)
+    eta3 = k ** 2 / (steps * cube)
     return {"lr1": lr1 * lr1_mult, "smoothing1": smooth * smoothing_mult, "lr2": 1.0, "reg2": 0.5,
-            "smoothing2": smooth * smoothing_mult, "lr3": k ** 2 / (steps * cube) * lr3_mult,
+            "smoothing2": smooth * smoothing_mult, "lr3": eta3 * lr3_mult,
+            "lr3a": eta3 * (lr3_mult if lr3a_mult is None else lr3a_mult),
             "reg3": k ** 3 / (sigma_tilde * cube) * reg3_mult}
 
 
