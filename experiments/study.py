@@ -214,17 +214,6 @@ class Study:
             self.progress.fits.update(fits)
         return self.state["runs"][name]["result"]
 
-    def fit_cli(self, run: Run):
-        """Fit ``run`` and return its CLI object (model, trainer, data) for experiments that evaluate it
-        further in memory; not resumable (its result is not cached), None if it diverged."""
-        cli = build(run.config, self.out, run.name, *run.argv())
-        try:
-            cli.trainer.fit(cli.model, cli.datamodule)
-        except DivergenceError as error:
-            print(f"{run.name}: {str(error).splitlines()[0]}")
-            return None
-        return cli
-
     def save(self) -> None:
         tmp = self.path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(self.state, indent=2, default=str))
