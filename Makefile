@@ -56,7 +56,7 @@ contrastive: $(STAMP)  ## Wen & Li (ICML 2021): contrastive learning with vs wit
 noncontrastive: $(STAMP)  ## Wen & Li (NeurIPS 2022): prediction head vs no head
 	$(PY) -m featlearn.experiments.noncontrastive
 
-vit: $(STAMP)  ## Huang et al. (ICLR 2025): one-layer softmax ViT, MAE vs contrastive learning (170 s, one thread)
+vit: $(STAMP)  ## Huang et al. (ICLR 2025): one-layer softmax ViT, MAE vs contrastive learning, seeds 0-4 (1363 s on one thread of a busy 2-core machine)
 	$(PY) -m featlearn.experiments.vit --out runs/vit
 
 two-layer: $(STAMP)  ## Shi's dissertation ch. 2: Table A.1 (parity, d = 500), network vs NTK / RF / One Step / Two Step

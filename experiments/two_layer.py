@@ -1,16 +1,14 @@
 """Feature learning from input structure (Shi 2024, Chapter 2 = Shi, Wei & Liang 2022): the two-layer network
 against fixed-feature baselines, Table A.1 (parity, d = 500) printed beside the paper's numbers.
 
-``python -m featlearn.experiments.two_layer [--table A1|A2|A3|MOG] [--seed S ...] [--lr3-grid M ...]
-[--num-train N] [--out DIR]``
-
-Built from ``configs/two_layer/experiment.yaml``: its ``methods`` (Network, NTK, RF, One Step, Two Step,
+``python -m featlearn.experiments.two_layer [--table A1|A2|A3|MOG] [--seed S ...] [--out DIR]``. Built from ``configs/two_layer/experiment.yaml``: its ``methods`` (Network, NTK, RF, One Step, Two Step,
 w/o structure) each run their config (``network.yaml``, ``ntk.yaml``, ...) on the table's data preset
 with the table's width m and step count T. Stage 3 (the protocol of ``experiment.yaml``): the second layer
 takes its own step, ``lr3a_grid`` x the theory's eta at T, the first layer ``lr3_grid`` x eta, for
 ``stage3_steps`` minibatch steps after steps 1-2 (T sets eta only, so the budget is not tied to the step
 size). Every method that takes stage-3 steps gets the same budget and grid: each pair of multipliers is
-trained on the first seed and the pair with the best validation accuracy is kept for every seed. One / Two
+trained on the first seed and the pair with the best validation accuracy is kept for every seed (a setting
+with ``tuned_by`` reuses an earlier setting's pairs: Table A.3's d = 2000 those of d = 100). One / Two
 Step are "the best classifiers" on the frozen hidden layer (Shi 2024, Section A.7.1), solved exactly, so
 they have no step size to tune. Cells are accuracy in % (train, test on a fresh 10,000-sample set) and
 ``CosSim = max_i cos(w_i, sum_A M_j)`` at the end (for RF the init, for One / Two Step the frozen first
@@ -42,14 +40,12 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from featlearn.experiments.common import (CONFIGS, checked, experiment_parser, mean_range, parse_experiment_args,
+from featlearn.experiments.common import (CONFIGS, checked, experiment_parser, parse_experiment_args,
                                           quiet_lightning)
 from featlearn.experiments.study import Run, Study, load_settings
+from featlearn.experiments.two_layer_report import markdown
 from featlearn.lightning_modules.two_layer import draw_neurons
 from featlearn.metrics.figures import bars_figure
-
-ROWS = ("Train", "Test", "Cos")
-MOG_ROWS = ("Train", "Test", "Cos centres min", "Cos centres mean")
 
 
 @dataclass
@@ -73,6 +69,7 @@ class Setting:
     methods: str = "methods"
     data_args: dict[str, int | float] = field(default_factory=dict)
     stage3: bool = True  # False: T steps, one step size for both layers (the mixture's plain schedule)
+    tuned_by: str | None = None  # an earlier setting of the table whose chosen step sizes this one reuses
 
 
 @dataclass
@@ -129,6 +126,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         if args.steps is not None and args.steps < 3:
             parser.error(f"--steps: must be an integer > 2 (two schedule steps, then minibatches), got {args.steps}")
         available = list(dict.fromkeys(m for st in SETTINGS.tables[args.table] for m in methods_of(st)))
+        names = [st.name for st in SETTINGS.tables[args.table]]
+        for i, st in enumerate(SETTINGS.tables[args.table]):
+            if st.tuned_by is not None and st.tuned_by not in names[:i]:
+                parser.error(f"tables.{args.table}.tuned_by: must name an earlier setting of the table "
+                             f"({', '.join(names[:i]) or 'none'}), got {st.tuned_by!r}")
         if args.methods is None:
             args.methods = available
         elif set(args.methods) - set(available):
@@ -217,22 +219,29 @@ def tune(study: Study, setting: Setting, label: str, args) -> tuple[tuple, dict]
     return best, trials
 
 
-def run_setting(study: Study, setting: Setting, args) -> tuple[dict, object]:
+def run_setting(study: Study, setting: Setting, args, chosen: dict) -> tuple[dict, object]:
     """Per method: the chosen lr3 multiplier, the per-seed results and the tuning trials; the network's
-    neuron figure of the first seed."""
+    neuron figure of the first seed. ``chosen[(setting name, label)]`` holds every tuned choice so far: a
+    setting with ``tuned_by`` reuses that setting's instead of searching (Table A.3's d = 2000 row, where one fit
+    costs ~4x one at d = 500: every column gets the choice made on the same grid at d = 100)."""
     out, figure = {}, None
     methods = methods_of(setting)
     for label in [m for m in args.methods if m in methods]:
-        best, trials = tune(study, setting, label, args)
-        tunes = trials[best].get("tunes_lr3", True)
-        per_seed = {args.seed[0]: _result(trials[best])}
-        if label == "Network":
-            figure = draw_neurons(trials[best].get("neurons"))
-        for seed in args.seed[1:]:
+        if setting.tuned_by is None:
+            best, trials = tune(study, setting, label, args)
+            tunes, seeds = trials[best].get("tunes_lr3", True), args.seed[1:]
+            per_seed = {args.seed[0]: _result(trials[best])}
+            if label == "Network":
+                figure = draw_neurons(trials[best].get("neurons"))
+        else:
+            best, trials, per_seed, seeds = chosen[(setting.tuned_by, label)], {}, {}, args.seed
+            tunes = grid_kind(methods[label].config, methods[label].model) != 0
+        chosen[(setting.name, label)] = best
+        for seed in seeds:
             run = run_of(setting, methods[label], seed, best, args, _slug(f"{setting.name}_{label}_s{seed}"))
             per_seed[seed] = _result(study.fit(run, collect))
         out[label] = {"lr3_mult": lr3_key(best) if tunes else None, "per_seed": per_seed,
-                      "trials": {lr3_key(lr): _result(r) for lr, r in trials.items()}}
+                      "trials": {lr3_key(lr): _result(r) for lr, r in trials.items()}, "tuned_on": setting.tuned_by}
     return out, figure
 
 
@@ -243,6 +252,8 @@ def _result(collected: dict) -> dict:  # the table's numbers of a collected fit 
 def count_fits(args) -> int:
     seeds = len(args.seed) - 1
     def size(st, grid, kind):
+        if st.tuned_by is not None:
+            return 1  # no search: the first seed's fit at the reused choice
         return 1 if kind == 0 else len(grid) if kind == 2 or not st.stage3 else len({a for _, a in grid})
     return sum(size(st, grid_of(st, args), grid_kind(method.config, method.model)) + seeds
                for st in SETTINGS.tables[args.table] for label, method in methods_of(st).items() if label in args.methods)
@@ -258,61 +269,14 @@ def _slug(text: str) -> str:
     return "".join(c if c.isalnum() or c in "._-" else "_" for c in text)
 
 
-def cells(result: dict) -> dict[str, str]:
-    seeds = list(result["per_seed"].values())
-
-    def cos(key):
-        return "NA" if seeds[0].get(key) is None else mean_range([r.get(key) for r in seeds], "{:.3f}")
-    return {"Train": mean_range([r.get("train") for r in seeds], "{:.1f}"),
-            "Test": mean_range([r.get("test") for r in seeds], "{:.1f}"),
-            "Cos": cos("cos"), "Cos centres min": cos("cos_centres_min"), "Cos centres mean": cos("cos_centres_mean")}
-
-
-def markdown(results: dict, meta: dict) -> str:
-    mog = meta["table"] == "MOG"
-    first = meta["seeds"].split(",")[0].split("..")[0]
-    budget = (f"its step size chosen from x{meta['lr3_grid']} of the theory's" if mog else
-              f"{meta['stage3_steps']} stage-3 minibatch steps after steps 1-2, the first layer's step x"
-              f"{meta['lr3_grid']} and the second layer's x{meta['lr3a_grid']} of the theory's eta at T = "
-              f"{meta['T']}, every pair tried, the pair chosen")
-    lines = [f"Shi 2024, Chapter 2, Table {meta['table']}: measured{'' if mog else ' (paper)'}. {meta['command']}", "",
-             f"seeds {meta['seeds']}; n = {meta['num_train']} training samples; wall {meta['wall_s']} s. Same tuning "
-             f"budget for every column that takes stage-3 steps: {budget} on validation accuracy (seed {first}); "
-             f"lambda^(3..T) x{SETTINGS.reg3_mult}." +
-             ("" if mog else " One / Two Step: the best classifier on the frozen hidden layer, solved exactly "
-                             "(L2-SVM, Newton; 'exact'), as the paper's 'best classifiers'."), ""]
-    if mog:
-        lines[-1:-1] = ["The paper prints no accuracies for these runs. Network: 'typical practice' training "
-                        "(configs/two_layer/mog.yaml: plain minibatch steps from the first, no feature-learning "
-                        "steps); Cos centres: over the 2^k cluster centres, the best neuron's cosine with each, "
-                        "worst (min) and mean (RF: the init's; NA for the NTK)."]
-    for name, res in results.items():
-        methods = list(res)
-        paper = SETTINGS.paper.get(name, {})
-        lines += [f"**{name}**", "", "| row | " + " | ".join(methods) + " |", "|---|" + "---|" * len(methods)]
-        for i, row in enumerate(MOG_ROWS if mog else ROWS):
-            row_cells = []
-            for label in methods:
-                ours = cells(res[label])[row]
-                if mog:
-                    row_cells.append(ours)
-                    continue
-                theirs = paper.get(label, [None] * 3)[i]
-                row_cells.append(f"{ours} ({'NA' if theirs is None else theirs})")
-            lines.append(f"| {row} | " + " | ".join(row_cells) + " |")
-        lines.append("| lr3 x | " + " | ".join(res[m]["lr3_mult"] or "exact" for m in methods) + " |")
-        lines.append("")
-    return "\n".join(lines)
-
-
 def main(argv=None) -> dict:
     args = parse_args(argv)
     quiet_lightning()
     t0 = time.time()
-    results, figures = {}, {}
+    results, figures, chosen = {}, {}, {}
     with Study(args, f"Table {args.table}", fits=count_fits(args)) as study:
         for setting in SETTINGS.tables[args.table]:
-            res, fig = run_setting(study, setting, args)
+            res, fig = run_setting(study, setting, args, chosen)
             results[setting.name] = res
             if fig is not None:
                 figures[f"neurons_{_slug(setting.name)}"] = fig
@@ -336,7 +300,7 @@ def main(argv=None) -> dict:
     payload = {"meta": meta, "results": {name: {m: {**r, "per_seed": {str(s): v for s, v in r["per_seed"].items()}}
                                                 for m, r in res.items()} for name, res in results.items()},
                "paper": {name: SETTINGS.paper.get(name) for name in results}}
-    study.write(f"two_layer_{args.table}", payload, markdown(results, meta), figures)
+    study.write(f"two_layer_{args.table}", payload, markdown(results, meta, SETTINGS.paper, SETTINGS.reg3_mult), figures)
     return payload
 
 

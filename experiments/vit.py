@@ -1,6 +1,6 @@
 """MAE vs contrastive learning with a one-layer softmax ViT across the information gap Delta (Huang et al. 2025).
 
-    python -m featlearn.experiments.vit                      # p256_pos and p256_neg, MAE and CL, seeds 0 1 2
+    python -m featlearn.experiments.vit                      # p256_pos and p256_neg, MAE and CL, seeds 0-4
     python -m featlearn.experiments.vit --seed 0             # one seed (~1.5 min on one thread)
     python -m featlearn.experiments.vit --preset p256_pos p256_neg p256_pos_small --delta 0 0.4
     python -m featlearn.experiments.vit --methods mae --preset --delta -0.1 0.1 0.4 --steps-mae 1000
@@ -37,7 +37,8 @@ its init ``(1 - gamma0) C_s / P``.
 
 Writes ``vit_table.md`` / ``vit_table.json`` (a list of rows, one per method and data point, with
 ``method``, ``delta``, ``own_area_local``, ``own_area_global``, ``attn_global``, ``final_loss``,
-``loss_floor``, the dip and the per-seed values and curves) and the PNGs ``vit_table_areas.png`` (mean area
+``loss_floor`` (MAE: the floor of the same last batch, a bound of its loss; ``loss_floor_expected`` per seed its
+expectation), the dip and the per-seed values and curves) and the PNGs ``vit_table_areas.png`` (mean area
 attention, query area x key area, at the end of training), ``vit_table_queries.png`` (one local query's
 attention on the 16 x 16 grid) and ``vit_table_curves.png`` (the metrics over training); the table,
 its checks and the figures are :mod:`featlearn.experiments.vit_report`.
@@ -221,8 +222,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     """The options; every bad value is refused here, naming the option, before any run or folder."""
     parser = experiment_parser(__doc__, "runs/vit")
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.set_defaults(seed=[0, 1, 2])
-    parser._option_string_actions["--seed"].help = "one seed or several, distinct (default 0 1 2): mean (min-max)"
+    parser.set_defaults(seed=[0, 1, 2, 3, 4])   # the committed tables: 5 seeds
+    parser._option_string_actions["--seed"].help = "one seed or several, distinct (default 0 1 2 3 4): mean (min-max)"
     parser.add_argument("--preset", nargs="*", default=None, choices=sorted(PRESETS),
                         help="named P = 256 data points (default p256_pos p256_neg; '--preset' alone: none, "
                              "for --delta points only)")

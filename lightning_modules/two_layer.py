@@ -49,7 +49,7 @@ from featlearn.errors import ConfigError
 from featlearn.kernels.backend import Backend, Precision
 from featlearn.kernels.smoothed_clamp import smoothed_clamp_layer
 from featlearn.lightning_modules.base import FeatureLearningModule
-from featlearn.lightning_modules.two_layer_parts import ScheduledGD, draw_neurons, neuron_picture
+from featlearn.lightning_modules.two_layer_parts import ScheduledGD, check_stage3_decay, draw_neurons, neuron_picture
 from featlearn.theory.two_layer import centre_coverage, cos_sim, data_constants, hinge, theory_schedule
 from featlearn.validation import NonNegativeFloat, PositiveFloat, PositiveInt, check_args, check_memory
 
@@ -103,13 +103,12 @@ class TwoLayerBase(FeatureLearningModule):
         check_args("model", TwoLayerBase.__init__, locals())
         super().__init__()
         self.save_hyperparameters()
-        self.width = width
+        self.width, self.backend = width, backend
         self.mults = {"lr1_mult": float(lr1_mult), "smoothing_mult": float(smoothing_mult),
                       "lr3_mult": float(lr3_mult), "reg3_mult": float(reg3_mult),
                       "lr3a_mult": None if lr3a_mult is None else float(lr3a_mult)}
         self.steps, self.class_weighted, self.init_seed = steps, class_weighted, init_seed
         self.init_std = (sigma_w, sigma_b, sigma_a)
-        self.backend = backend
         self.snapshots: dict[str, torch.Tensor] = {}
         # torchmetrics reduces sums and counts over ranks: the accuracy of the whole split under DDP
         self.split_accuracy = torch.nn.ModuleDict({"val": MeanMetric(), "test": MeanMetric()})
@@ -342,6 +341,7 @@ class TwoLayerBase(FeatureLearningModule):
         self._log_accuracy(batch, "test")
 
     def configure_optimizers(self):
+        check_stage3_decay(self.theory_values(), self.mults["reg3_mult"])  # before the first step
         return ScheduledGD([{"params": [p], "name": name} for name, p in self.trained().items()])
 
 

@@ -1,5 +1,6 @@
 """What the two-layer methods (:mod:`featlearn.lightning_modules.two_layer`) use beside the module: the
-optimiser of the schedule's exact steps and the neurons' MDS picture (its data and its drawing).
+optimiser of the schedule's exact steps, the check of its stage-3 decay and the neurons' MDS picture (its
+data and its drawing).
 
 Example:
     >>> p = torch.nn.Parameter(torch.tensor([3.0]))
@@ -13,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from featlearn.errors import ConfigError
 from featlearn.metrics.figures import plt
 from featlearn.theory.two_layer import centre_coverage, mds_embedding
 
@@ -40,6 +42,15 @@ class ScheduledGD(torch.optim.Optimizer):
                 else:
                     p.mul_(group["decay"]).add_(p.grad, alpha=-group["lr"])
         return loss
+
+
+def check_stage3_decay(theory: dict[str, float], reg3_mult: float) -> None:
+    """Refuse a stage-3 step ``theta <- (1 - 2 eta lambda) theta - eta grad`` whose decay is negative (it would
+    flip the sign of a or w every step): a large second-layer step (``lr3a_mult``) needs a small ``reg3_mult``."""
+    rate = 2 * max(theory["lr3"], theory["lr3a"]) * theory["reg3"]
+    if rate > 1:
+        raise ConfigError("model.reg3_mult", f"at most {reg3_mult / rate:.3g} with these stage-3 step sizes "
+                          f"(lr3_mult, lr3a_mult), so that the decay 1 - 2 eta lambda stays >= 0", reg3_mult)
 
 
 def neuron_picture(snapshots: dict[str, torch.Tensor], direction: torch.Tensor, centres: torch.Tensor | None,

@@ -21,8 +21,9 @@ Two paths (``path``):
   :func:`featlearn.kernels.masked_attention.masked_attention` with the masked positions as ``query_index``.
 
 Metrics (the quantities of Thm 4.1/4.2) every ``trainer.log_every_n_steps`` steps: the masked queries' area attention,
-the correlations ``Phi`` and ``Upsilon``, the loss split into local and global masked patches against the floor
-(:func:`featlearn.theory.vit.loss_floor`); attention figures every 4th logged step.
+the correlations ``Phi`` and ``Upsilon``, the loss split into local and global masked patches against the batch's
+own floor ``loss_floor*`` (:func:`featlearn.theory.vit.batch_loss_floor`, a bound of that batch's loss) and the
+expected one ``theory/loss_floor*`` (:func:`featlearn.theory.vit.loss_floor`); figures every 4th logged step.
 
 Example:
     >>> from featlearn.datamodules.global_local_patches import GlobalLocalPatchDataModule
@@ -44,7 +45,8 @@ from featlearn.kernels.masked_attention import masked_attention
 from featlearn.lightning_modules.vit_common import GlobalLocalViT, attention_sums, global_means
 from featlearn.metrics import to_host
 from featlearn.metrics.figures import tensorboard_writer
-from featlearn.theory.vit import area_loss, eta_mae, init_loss, init_values, loss_floor, patch_vectors
+from featlearn.theory.vit import (area_loss, batch_loss_floor, eta_mae, init_loss, init_values, loss_floor,
+                                  patch_vectors)
 from featlearn.validation import OpenUnitInterval, PositiveFloat, check_args, check_memory
 
 __all__ = ["ViTMAE"]
@@ -113,8 +115,8 @@ class ViTMAE(GlobalLocalViT):
         self.lr = self.hparams.lr if self.hparams.lr is not None else eta_mae(
             dm.P, dm.K, dm.C_s, self.gamma, self.z_moments[2])
         # masked keys out of the softmax: a fully masked area costs more than 1/2 z^2 (theory.loss_floor)
-        z_min = (dm.z_low if dm.z_law == "uniform" else 1.0) if self.masked_keys == "exclude" else None
-        self.floor = loss_floor(dm.P, dm.C_1, dm.C_s, dm.n_local, self.n_masked, self.z_moments[1], z_min)
+        self.z_min = (dm.z_low if dm.z_law == "uniform" else 1.0) if self.masked_keys == "exclude" else None
+        self.floor = loss_floor(dm.P, dm.C_1, dm.C_s, dm.n_local, self.n_masked, self.z_moments[1], self.z_min)
         self.init = init_values(dm.P, dm.C_1, dm.C_s, self.n_masked, masked_query=True)
         self.init_loss = init_loss(dm.P, dm.C_1, dm.C_s, dm.n_local, self.n_masked, self.z_moments[1])
         # colour scale of the one-sample attention map: twice what a query gives each unmasked patch of its
@@ -216,11 +218,16 @@ class ViTMAE(GlobalLocalViT):
         visible = unmasked_count.gather(1, own) > 0
         local = (own > 0).to(per_query.dtype)
         pq = per_query.detach()
+        # this batch's own bound: the expected one (self.floor) is not a bound of one batch's loss
+        bound = batch_loss_floor(batch["z_area"].gather(1, own).to(pq.dtype), ~visible, self.n_areas - 1, self.z_min)
         pairs = attention_sums(A.detach(), own, visible)
         pairs.update({"loss": (pq.sum(), pq.new_tensor(pq.shape[0])),
                       "loss_per_patch": (pq.sum(), pq.new_tensor(pq.numel())),
                       "loss_local": ((pq * local).sum(), local.sum()),
-                      "loss_global": ((pq * (1 - local)).sum(), (1 - local).sum())})
+                      "loss_global": ((pq * (1 - local)).sum(), (1 - local).sum()),
+                      "loss_floor": (bound.sum(), pq.new_tensor(pq.numel())),
+                      "loss_floor_local": ((bound * local).sum(), local.sum()),
+                      "loss_floor_global": ((bound * (1 - local)).sum(), (1 - local).sum())})
         met = global_means(pairs)
         met["loss_ratio_init"] = met["loss_per_patch"] / self.init_loss["loss"]   # against the Q = 0 loss
         return met
@@ -309,9 +316,9 @@ class ViTMAE(GlobalLocalViT):
                 "own_area_global": host["attn_own_global"], "attn_global": host["attn_glob_from_local"],
                 "attn_to_masked": host["attn_to_masked"], "attn_other_local": host["attn_other_local"],
                 "final_loss": host["loss_per_patch"], "loss_ratio_init": host["loss_ratio_init"],
-                "loss_floor": self.floor["floor"],
                 "loss_local": host["loss_local"], "loss_global": host["loss_global"],
-                "loss_floor_local": self.floor["floor_local"], "loss_floor_global": self.floor["floor_global"],
+                **{f"loss_floor{k}": host[f"loss_floor{k}"] for k in ("", "_local", "_global")},
+                **{f"loss_floor{k}_expected": self.floor[f"floor{k}"] for k in ("", "_local", "_global")},
                 "phi_local_own": host["phi_local_own"], "phi_global_own": host["phi_global_own"],
                 "phi_local_to_global": host["phi_local_to_global"], "phi_other_absmax": host["phi_other_absmax"],
                 "phi_local_features_absmean": host["phi_local_features_absmean"],

@@ -36,6 +36,15 @@ def test_fixed_epochs_cover_the_dataset_once_in_a_new_order():
     assert not torch.equal(epochs[0], epochs[1])
 
 
+def test_the_kept_epoch_order_is_the_one_drawn_for_that_epoch():
+    """The shuffled order is kept between steps of an epoch; going back to an earlier epoch (a resume) and
+    jumping ahead give the order drawn afresh for that epoch."""
+    dm, fresh = data(batch_size=16), data(batch_size=16)
+    for step in (0, 1, 5, 3, 0, 2, 4):
+        fresh._order_cache = None
+        assert torch.equal(batch_at(dm, step)["index"], batch_at(fresh, step)["index"])
+
+
 def test_online_steps_draw_fresh_samples_and_full_batch_is_everything():
     dm = data(mode="online", batch_size=5)
     assert torch.equal(batch_at(dm, 4)["index"], torch.arange(20, 25))

@@ -259,3 +259,15 @@ def test_schedule_without_steps_is_refused():
     model = TwoLayerNetwork(width=3).attach(_dm())
     with pytest.raises(ConfigError, match="^model.steps"):
         model.schedule_at(1)
+
+
+def test_a_negative_stage3_decay_is_refused_before_the_first_step():
+    """A second-layer step x10^4 with the theory's lambda makes 1 - 2 eta lambda < 0 (a flips sign each step):
+    refused by configure_optimizers, naming reg3_mult and the largest value that keeps the decay >= 0."""
+    model = TwoLayerNetwork(width=4, steps=10, lr3a_mult=1e4).attach(_dm())
+    with pytest.raises(ConfigError, match="^model.reg3_mult: must be at most") as info:
+        model.configure_optimizers()
+    ceiling = float(str(info.value).split("at most ")[1].split()[0])
+    th = TwoLayerNetwork(width=4, steps=10, lr3a_mult=1e4, reg3_mult=ceiling * 0.99).attach(_dm()).theory_values()
+    assert 0 <= 1 - 2 * th["lr3a"] * th["reg3"] < 0.05
+    TwoLayerNetwork(width=4, steps=10, lr3a_mult=1e4, reg3_mult=0.0).attach(_dm()).configure_optimizers()

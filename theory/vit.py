@@ -6,8 +6,9 @@ Everything here is a plain function of numbers or tensors; nothing reads a DataM
   paper's ``Theta(P^kappa)``) and the effective
   exponents and information gap ``Delta = (1 - kappa_s) - 2 (1 - kappa_c)``.
 * :func:`init_values`: attention at ``Q = 0``.
-* :func:`prob_fully_masked`, :func:`loss_floor`: the reported MAE floor ``1/2 E[z^2] P(area fully masked |
-  p masked)``, per masked patch (our floor: the paper's ``L^low`` assumes no attention on masked keys).
+* :func:`prob_fully_masked`, :func:`loss_floor`: the expected MAE floor ``1/2 E[z^2] P(area fully masked |
+  p masked)``, per masked patch (our floor: the paper's ``L^low`` assumes no attention on masked keys); it
+  bounds the expected loss, not one batch's: :func:`batch_loss_floor` is the bound of one batch.
 * :func:`area_loss`: the closed-form MAE loss of Lemma D.8 from the unmasked area attention ``A_{p,m}``.
 * :func:`mae_gradient_projections`: the exact correlation gradients of Lemmas D.1, D.3, D.4
   (``alpha``, ``beta``).
@@ -31,7 +32,7 @@ import torch
 from featlearn.errors import ConfigError
 
 __all__ = ["information_gap", "area_sizes", "embedding_dim", "masked_count", "z_moments", "init_values",
-           "prob_fully_masked", "loss_floor", "patch_vectors", "area_attention", "area_loss",
+           "prob_fully_masked", "loss_floor", "batch_loss_floor", "patch_vectors", "area_attention", "area_loss",
            "mae_gradient_projections", "cl_gradient_rows", "eta_mae", "cl_loss_floor", "attention_diversity",
            "init_loss"]
 
@@ -177,7 +178,13 @@ def _log_comb(n: int, k: int) -> float:
 
 def loss_floor(P: int, C_1: int, C_s: int, n_local: int, n_masked: int, Ez2: float,
                z_min: float | None = None) -> dict[str, float]:
-    """The reported MAE floor per masked patch (ours): ``1/2 E[z^2] P(area fully masked | p masked)``.
+    """The expected MAE floor per masked patch (ours): ``1/2 E[z^2] P(area fully masked | p masked)``.
+
+    A lower bound of the *expected* loss only: one batch's loss can fall below it when the batch happens to
+    hold fewer fully masked areas than the expectation (p256_pos_small, C_s = 4 at gamma = 0.5: a batch of 32
+    holds ~93 fully masked local areas, sd ~9, so its bound has sd 0.004 around 0.046, and a trained run's
+    batch loss of 0.0395 sits below 0.0459 yet above its own batch's bound). The bound of a given batch is
+    :func:`batch_loss_floor`; this function is its expectation.
 
     A masked patch whose whole area is masked cannot be reconstructed: its best output is 0 (all attention
     on masked keys), error ``1/2 z^2``. With the masked keys out of the softmax (``z_min``, the smallest
@@ -196,6 +203,21 @@ def loss_floor(P: int, C_1: int, C_s: int, n_local: int, n_masked: int, Ez2: flo
     local = err * prob_fully_masked(P, C_s, n_masked)
     glob = err * prob_fully_masked(P, C_1, n_masked)
     return {"floor_local": local, "floor_global": glob, "floor": (C_1 * glob + n_local * C_s * local) / P}
+
+
+def batch_loss_floor(z_own: torch.Tensor, hidden: torch.Tensor, n_local: int,
+                     z_min: float | None = None) -> torch.Tensor:
+    """Per masked query ``[B, Pq]``, the least loss any attention can reach on this batch: ``1/2 z_a^2`` (with
+    ``z_min``, the ``masked_keys="exclude"`` ablation: ``1/2 (z_a^2 + z_min^2 / n_local)``) where the query's
+    area is fully masked (``hidden``), 0 elsewhere (Lemma D.8's loss with ``A_a = 0``). Its mean over the masked
+    queries bounds that batch's loss per masked patch; its expectation is :func:`loss_floor`.
+
+    Example:
+        >>> batch_loss_floor(torch.tensor([[1.0, 2.0]]), torch.tensor([[False, True]]), 8).tolist()
+        [[0.0, 2.0]]
+    """
+    err = 0.5 * (z_own.square() + (z_min ** 2 / n_local if z_min is not None else 0.0))
+    return err * hidden.to(err.dtype)
 
 
 def patch_vectors(feat_id: torch.Tensor, z: torch.Tensor, V: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,74 @@
+"""docs/methods/two_layer.md quotes the committed Tables A.1-A.3 (benchmarks/results/two_layer/): every row of
+each committed table is on the page verbatim, and each sentence that quotes a number or a per-seed statement
+is rebuilt from the JSON (tests/doc_claims.py)."""
+import pytest
+
+from doc_claims import ROOT, Claim, check_claims, load, require, spread
+
+PAGE = "docs/methods/two_layer.md"
+RESULTS = "benchmarks/results/two_layer"
+
+
+def table_rows(table: str) -> list[str]:
+    """The markdown table rows of a committed table (header and separator lines excluded)."""
+    lines = (ROOT / RESULTS / f"two_layer_{table}.md").read_text().splitlines()
+    return [line for line in lines if line.startswith("| ") and not line.startswith("| row ")]
+
+
+def per_seed(table: str, setting: str, column: str, key: str) -> list[float]:
+    return [r[key] for r in load(f"{RESULTS}/two_layer_{table}.json")["results"][setting][column]["per_seed"].values()]
+
+
+@pytest.mark.parametrize("table", ["A1", "A2", "A3"])
+def test_the_page_copies_every_row_of_the_committed_table(table):
+    check_claims([Claim(PAGE, row.replace("{", "{{").replace("}", "}}"), dict) for row in table_rows(table)])
+
+
+def _network_fits_the_parity(table, setting):
+    def values():
+        seeds = load(f"{RESULTS}/two_layer_{table}.json")["results"][setting]["Network"]["per_seed"]
+        require(all(r["test"] == 100.0 and r["train"] == 100.0 for r in seeds.values()),
+                f"Network below 100% at a seed of {table} {setting}")
+        return {"n": len(seeds)}
+    return values
+
+
+CLAIMS = [
+    Claim(PAGE, "network fits the parity exactly at every one of the {n} seeds of Table A.1",
+          _network_fits_the_parity("A1", "parity d=500")),
+]
+
+
+def test_sentences_quote_the_committed_tables():
+    check_claims(CLAIMS)
+
+
+def _a1(column, key="test", digits=1):
+    return lambda: {"v": spread(per_seed("A1", "parity d=500", column, key), digits)}
+
+
+def _interval_network_split():
+    tests = dict(zip(load(f"{RESULTS}/two_layer_A2.json")["results"]["interval d=500"]["Network"]["per_seed"],
+                     per_seed("A2", "interval d=500", "Network", "test")))
+    exact = [s for s, t in tests.items() if t == 100.0]
+    rest = [s for s, t in tests.items() if t != 100.0]
+    require(all(55 <= tests[s] <= 62 for s in rest), f"a seed is neither exact nor at the majority class: {tests}")
+    words = lambda seeds: ", ".join(seeds[:-1]) + " and " + seeds[-1] if len(seeds) > 1 else seeds[0]
+    return {"exact": words(exact), "rest": words(rest)}
+
+
+SENTENCES = [
+    Claim(PAGE, "reaches {v} test;", _a1("NTK")),
+    Claim(PAGE, "(Two Step {v} test over seeds 0-4)", _a1("Two Step")),
+    Claim(PAGE, "the network itself fits it ({v})", _a1("Network")),
+    Claim(PAGE, "(RF {v})", _a1("RF")),
+    Claim(PAGE, "(Cos {v},", _a1("w/o structure", "cos", 3)),
+    Claim(PAGE, "fits it exactly on seeds {exact} and stays at the majority class (~58%) on seeds {rest}",
+          _interval_network_split),
+    Claim("README.md", "the network fits the parity, {v} % test over seeds 0-4 (paper 100), against", _a1("Network")),
+    Claim("README.md", "against {v} for the NTK", _a1("NTK")),
+]
+
+
+def test_page_and_readme_sentences_quote_the_committed_tables():
+    check_claims(SENTENCES)
