@@ -79,6 +79,7 @@ CASES.update({
     "two_layer": ("two_layer/network.yaml",
                   ["--data.dim", "24", "--data.num_patterns", "12", "--data.k", "3", "--data.num_train", "64",
                    "--data.num_val", "16", "--data.num_test", "16", "--model.width", "8", "--model.backend", "torch",
+                   "--model.reg3_mult", "0",  # at this size the theory's lambda would make the stage-3 decay negative
                    "--trainer.check_val_every_n_epoch", "1000"], 16, 16, torch.float32),
     # dissertation ch. 7: the loss's negatives (the batch mean) are the GLOBAL batch's, gathered with gradient
     "universality": ("universality/universal.yaml", ["--data.T", "2", "--data.num_test", "64"], 32, 32,

@@ -104,15 +104,16 @@ def test_bad_options_name_the_option(argv, option, capsys):
 def test_a_setting_tuned_by_another_reuses_its_choices(tmp_path):
     """Table A.3's d = 2000 row searches nothing: each column is fitted at every seed with the pair chosen at d = 100,
     and the table says so."""
-    out = main(["--table", "A3", "--methods", "Network", "RF", "--stage3-steps", "3", "--num-train", "1000",
+    out = main(["--table", "A3", "--methods", "Network", "One Step", "--stage3-steps", "3", "--num-train", "1000",
                 "--width", "4", "--lr3-grid", "0", "1", "--lr3a-grid", "1", "--seed", "0", "1",
                 "--out", str(tmp_path / "a3")])
     small, large = out["results"]["parity d=100"], out["results"]["parity d=2000"]
-    for label in ("Network", "RF"):
+    for label in ("Network", "One Step"):
         assert large[label]["lr3_mult"] == small[label]["lr3_mult"] and large[label]["trials"] == {}
         assert large[label]["tuned_on"] == "parity d=100" and set(large[label]["per_seed"]) == {"0", "1"}
+    assert small["Network"]["lr3_mult"] in ("w x0 / a x1", "w x1 / a x1") and small["One Step"]["lr3_mult"] is None
     names = json.loads((tmp_path / "a3" / "study.json").read_text())["runs"]
-    assert sorted(n for n in names if "2000" in n) == [f"parity_d_2000_{c}_s{s}" for c in ("Network", "RF")
+    assert sorted(n for n in names if "2000" in n) == [f"parity_d_2000_{c}_s{s}" for c in ("Network", "One_Step")
                                                        for s in (0, 1)]
     assert "(step sizes: the pairs chosen at parity d=100" in (tmp_path / "a3" / "two_layer_A3.md").read_text()
 
