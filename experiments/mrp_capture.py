@@ -24,12 +24,12 @@ import sys
 import time
 from dataclasses import asdict
 
-import matplotlib.pyplot as plt
 import torch
 
 from featlearn.experiments import mrp
 from featlearn.experiments.common import experiment_parser, parse_experiment_args, quiet_lightning
 from featlearn.experiments.study import Run, Study
+from featlearn.metrics.figures import plt
 
 TARGET = 0.9  # the capture share the size rule is chosen for
 MU = 0.02  # the experiment's main training share of single-view samples (the lottery ignores labels)
