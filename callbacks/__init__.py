@@ -1,8 +1,11 @@
-"""Callbacks every featlearn run gets from the CLI."""
+"""Callbacks every featlearn run gets from the CLI, and the ones a run or an experiment adds (the step profiler,
+keeping the best state on validation)."""
+from featlearn.callbacks.best_validation import KeepBestOnValidation
 from featlearn.callbacks.checkpoint import FinalCheckpoint
 from featlearn.callbacks.divergence import DivergenceGuard
 from featlearn.callbacks.heatmap import HeatmapLogger
 from featlearn.callbacks.profiling import StepProfiler
 from featlearn.callbacks.progress import StepProgressBar
 
-__all__ = ["DivergenceGuard", "FinalCheckpoint", "HeatmapLogger", "StepProfiler", "StepProgressBar"]
+__all__ = ["DivergenceGuard", "FinalCheckpoint", "HeatmapLogger", "KeepBestOnValidation", "StepProfiler",
+           "StepProgressBar"]

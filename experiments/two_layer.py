@@ -40,6 +40,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from featlearn.callbacks import KeepBestOnValidation
 from featlearn.experiments.common import (CONFIGS, checked, experiment_parser, parse_experiment_args,
                                           quiet_lightning)
 from featlearn.experiments.study import Run, Study, load_settings
@@ -81,6 +82,7 @@ class Settings:
     plain_lr3_grid: list[float]
     lr3a_grid: list[float]
     stage3_steps: int
+    stop_check_every: int
     reg3_mult: float
     tables: dict[str, list[Setting]]
     paper: dict[str, dict[str, list[float | None]]]
@@ -116,6 +118,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--stage3-steps", type=_positive(int, "an integer > 0"), default=SETTINGS.stage3_steps,
                     help=f"minibatch steps after steps 1-2 (default {SETTINGS.stage3_steps}; the mixture's "
                          f"table: T)")
+    ap.add_argument("--stop-check-every", type=_positive(int, "an integer >= 0", zero=True),
+                    default=SETTINGS.stop_check_every,
+                    help=f"score validation accuracy every this many global steps of a stage-3 fit and keep the best "
+                         f"state (the stopping step chosen on validation); 0: every fit runs its whole budget "
+                         f"(default {SETTINGS.stop_check_every})")
     ap.add_argument("--num-train", type=_positive(int, "an integer > 0"),
                     help="training samples (default the preset's 50,000)")
     ap.add_argument("--width", type=_positive(int, "an integer > 0"), help="m, replacing the table's")
@@ -141,12 +148,17 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def run_of(setting: Setting, method: Method, seed: int, lr3: tuple[float, float | None], args, name: str) -> Run:
     """One method at one setting, seed and stage-3 step-size multipliers (first layer, second layer; None:
-    the first's), no validation during the fit: :func:`collect` scores the whole splits at the end."""
+    the first's). On a stage-3 table with ``--stop-check-every`` N > 0 the fit scores the whole validation split
+    every N global steps (:func:`stops_on_validation`); otherwise no validation during the fit. :func:`collect`
+    scores the whole splits at the end."""
     T = args.steps or setting.steps
     over = {"data": CONFIGS / "two_layer" / setting.data, "model.init_args.width": args.width or setting.width,
             "model.init_args.steps": T, "trainer.max_steps": 2 + args.stage3_steps if setting.stage3 else T,
             "trainer.limit_val_batches": 0, "model.init_args.lr3_mult": lr3[0], "model.init_args.lr3a_mult": lr3[1],
             "model.init_args.reg3_mult": SETTINGS.reg3_mult, "heatmap.every_n_steps": 10 ** 9}
+    if stops_on_validation(setting, args):
+        over.update({"trainer.limit_val_batches": 1.0, "trainer.val_check_interval": args.stop_check_every,
+                     "trainer.check_val_every_n_epoch": None})
     if method.model is not None:
         over["model"] = method.model
     if setting.dim is not None:
@@ -159,15 +171,32 @@ def run_of(setting: Setting, method: Method, seed: int, lr3: tuple[float, float 
     return Run(f"two_layer/{method.config}", name, over, seed=seed)
 
 
-def collect(cli, neurons: bool = False) -> dict:
+def stops_on_validation(setting: Setting, args) -> bool:
+    """Whether a setting's fits choose their stopping step on validation: the stage-3 tables, with
+    ``--stop-check-every`` > 0 (the mixture's plain schedule keeps its T steps)."""
+    return setting.stage3 and args.stop_check_every > 0
+
+
+def fit(study: Study, run: Run, stop: bool, neurons: bool = False) -> dict:
+    """:func:`collect` of ``run``'s fit; with ``stop`` the fit keeps its best validation state
+    (:class:`~featlearn.callbacks.KeepBestOnValidation`) and the result says at which global step (``stop``)."""
+    keep = [KeepBestOnValidation("val/acc", "max")] if stop else []
+    return study.fit(run, functools.partial(collect, neurons=neurons, keep=keep[0] if keep else None), callbacks=keep)
+
+
+def collect(cli, neurons: bool = False, keep: KeepBestOnValidation | None = None) -> dict:
     """A fit's accuracies in % (train, val, test) and CosSim (None for a method without feature learning,
     the NTK: its features are the init's), whether its stage-3 step size matters, and with ``neurons`` the
-    network's MDS picture (:meth:`~featlearn.lightning_modules.two_layer.TwoLayerBase.neuron_picture`)."""
+    network's MDS picture (:meth:`~featlearn.lightning_modules.two_layer.TwoLayerBase.neuron_picture`). With
+    ``keep`` the model is the one of its best validation score (restored when the fit ended), and ``stop`` is
+    that global step."""
     model, dm = cli.model, cli.datamodule
     acc = {split: model.accuracy(dm.full(split)["x"], dm.full(split)["y"]) for split in ("train", "val", "test")}
     final, own = model.final_metrics(), model.feature_learning
     res = {"train": 100 * acc["train"], "val": 100 * acc["val"], "test": 100 * acc["test"],
            "cos": final["cos_final"] if own else None}
+    if keep is not None and keep.best_step is not None:  # the validation score of the kept step, as scored then
+        res["stop"], res["stop_val"] = keep.best_step, 100 * keep.best_score
     if "cos_centres_min" in final:
         res["cos_centres_min"] = final["cos_centres_min"] if own else None
         res["cos_centres_mean"] = final["cos_centres_mean"] if own else None
@@ -212,7 +241,7 @@ def tune(study: Study, setting: Setting, label: str, args) -> tuple[tuple, dict]
             continue
         tag = "_".join(f"{v:g}" for v in lr3 if v is not None)
         run = run_of(setting, method, first, lr3, args, _slug(f"{setting.name}_{label}_lr{tag}_s{first}"))
-        trials[lr3] = study.fit(run, functools.partial(collect, neurons=label == "Network"))
+        trials[lr3] = fit(study, run, stops_on_validation(setting, args), neurons=label == "Network")
         if not trials[lr3].get("tunes_lr3", True):  # a probe solved exactly: every step size gives the same fit
             break
     best = max(trials, key=lambda lr: trials[lr].get("result", {}).get("val", -1.0))
@@ -239,7 +268,7 @@ def run_setting(study: Study, setting: Setting, args, chosen: dict) -> tuple[dic
         chosen[(setting.name, label)] = best
         for seed in seeds:
             run = run_of(setting, methods[label], seed, best, args, _slug(f"{setting.name}_{label}_s{seed}"))
-            per_seed[seed] = _result(study.fit(run, collect))
+            per_seed[seed] = _result(fit(study, run, stops_on_validation(setting, args)))
         out[label] = {"lr3_mult": lr3_key(best) if tunes else None, "per_seed": per_seed,
                       "trials": {lr3_key(lr): _result(r) for lr, r in trials.items()}, "tuned_on": setting.tuned_by}
     return out, figure
@@ -292,6 +321,7 @@ def main(argv=None) -> dict:
     grids = {g for st in SETTINGS.tables[args.table] for g in [tuple(lr for lr, _ in grid_of(st, args))]}
     meta = {"table": args.table, "seeds": seed_ranges(args.seed), "lr3_grid": sorted(set().union(*grids)),
             "lr3a_grid": args.lr3a_grid, "stage3_steps": args.stage3_steps,
+            "stop_check_every": args.stop_check_every,
             "T": "/".join(sorted({str(args.steps or st.steps) for st in SETTINGS.tables[args.table]})),
             "num_train": args.num_train or _preset_num_train(SETTINGS.tables[args.table]), "threads": args.threads,
             "wall_s": round(time.time() - t0, 1),

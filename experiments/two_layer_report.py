@@ -18,6 +18,15 @@ def cells(result: dict) -> dict[str, str]:
             "Cos": cos("cos"), "Cos centres min": cos("cos_centres_min"), "Cos centres mean": cos("cos_centres_mean")}
 
 
+def stop_cell(result: dict) -> str:
+    """The global steps at which a column's fits were stopped on validation: ``min-max`` over seeds (``-`` for an
+    exact readout, where every step gives the same model)."""
+    steps = [r.get("stop") for r in result["per_seed"].values()]
+    if result["lr3_mult"] is None or any(s is None for s in steps):
+        return "-"
+    return str(min(steps)) if min(steps) == max(steps) else f"{min(steps)}-{max(steps)}"
+
+
 def markdown(results: dict, meta: dict, paper_numbers: dict, reg3_mult: float) -> str:
     """The table as markdown: per setting a row per quantity, ``mean (min-max)`` over seeds (the paper's value
     in parentheses beside ours, except on the mixtures), and each column's chosen step-size pair."""
@@ -27,10 +36,13 @@ def markdown(results: dict, meta: dict, paper_numbers: dict, reg3_mult: float) -
               f"{meta['stage3_steps']} stage-3 minibatch steps after steps 1-2, the first layer's step x"
               f"{meta['lr3_grid']} and the second layer's x{meta['lr3a_grid']} of the theory's eta at T = "
               f"{meta['T']}, every pair tried, the pair chosen")
+    stop = "" if mog or not meta.get("stop_check_every") else (
+        f" In every such fit the stopping step is chosen on validation accuracy too, scored every "
+        f"{meta['stop_check_every']} global steps, the best state kept (row 'stop step').")
     lines = [f"Shi 2024, Chapter 2, Table {meta['table']}: measured{'' if mog else ' (paper)'}. {meta['command']}", "",
              f"seeds {meta['seeds']}; n = {meta['num_train']} training samples; wall {meta['wall_s']} s. Same tuning "
              f"budget for every column that takes stage-3 steps: {budget} on validation accuracy (seed {first}); "
-             f"lambda^(3..T) x{reg3_mult}." +
+             f"lambda^(3..T) x{reg3_mult}." + stop +
              ("" if mog else " One / Two Step: the best classifier on the frozen hidden layer, solved exactly "
                              "(L2-SVM, Newton; 'exact'), as the paper's 'best classifiers'."), ""]
     if mog:
@@ -55,5 +67,7 @@ def markdown(results: dict, meta: dict, paper_numbers: dict, reg3_mult: float) -
                 row_cells.append(f"{ours} ({'NA' if theirs is None else theirs})")
             lines.append(f"| {row} | " + " | ".join(row_cells) + " |")
         lines.append("| lr3 x | " + " | ".join(res[m]["lr3_mult"] or "exact" for m in methods) + " |")
+        if meta.get("stop_check_every") and not mog:
+            lines.append("| stop step | " + " | ".join(stop_cell(res[m]) for m in methods) + " |")
         lines.append("")
     return "\n".join(lines)

@@ -267,6 +267,8 @@ def soft_threshold_layer(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | 
     if bias.shape != (w.shape[0],):
         refuse_shape("soft_threshold_layer", "bias", bias, f"must be a 1-D tensor [{w.shape[0]}]")
     which = resolve_backend(backend, x, w, bias)
+    if which == "torch" and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or bias.requires_grad)):
+        return symmetric_relu(x @ w.t(), bias)  # the fallback's forward without the code only a backward reads
     if which == "triton":
         x, w, bias = contiguous(x, w, bias)
     return SoftThresholdFunction.apply(x, w, bias, which, precision)

@@ -196,7 +196,9 @@ class ContrastiveModule(FeatureLearningModule):
                                  input_precision=self.hparams.input_precision)
         return h.reshape(*shape, self.m)
 
-    def contrastive_loss(self, batch: dict) -> tuple[torch.Tensor, dict]:
+    def contrastive_loss(self, batch: dict, stats: bool = True) -> tuple[torch.Tensor, dict | None]:
+        """The batch's mean loss and, with ``stats``, the logged batch statistics (softmax weight of the positive,
+        firing rates; None without: a step that logs nothing skips their passes over the negatives)."""
         xa, xq, xn = batch["x_a"], batch["x_q"], batch["x_neg"]
         ha = self(xa)
         with torch.no_grad():
@@ -205,6 +207,8 @@ class ContrastiveModule(FeatureLearningModule):
             if "neg_pool_size" in batch:
                 hn = self._global_pool(hn, batch["index"], int(batch["neg_pool_size"]))
         loss, p_pos = infonce_stopgrad(ha, hq, hn, self.tau, self.hparams.loss_chunk_size)
+        if not stats:
+            return loss.mean(), None
         n_b = hn.shape[-2] + 1
         stats = {
             "p_pos": p_pos.mean(), "uniform_dev": (p_pos - 1.0 / n_b).abs().mean(),
@@ -226,8 +230,9 @@ class ContrastiveModule(FeatureLearningModule):
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         self._prev_norm = self.w.detach().norm(dim=1)
-        loss, st = self.contrastive_loss(batch)
-        if self._trainer is not None and self.theory_due():  # each self.log costs ~0.5 ms: only written steps
+        logged = self._trainer is not None and self.theory_due()  # each self.log costs ~0.5 ms: only written steps
+        loss, st = self.contrastive_loss(batch, stats=logged)
+        if logged:
             # batch means over this rank's anchors: sync_dist averages them into the global batch's (equal B)
             self.log("train/loss", loss, sync_dist=True)
             self.log("train/loss_normalized", loss / st["uniform"], prog_bar=True, sync_dist=True)

@@ -36,6 +36,7 @@ def results(tmp_path_factory):
     solved exactly: one trial)."""
     args = argparse.Namespace(width=None, steps=None, num_train=4000, seed=[0], lr3_grid=SETTINGS.plain_lr3_grid,
                               lr3a_grid=SETTINGS.lr3a_grid, stage3_steps=SETTINGS.stage3_steps,
+                              stop_check_every=SETTINGS.stop_check_every,
                               out=tmp_path_factory.mktemp("two_layer_headline"), overwrite=False)
     with Study(args, "headline", fits=3 * len(SETTINGS.plain_lr3_grid) + 1) as study:
         best = {label: tune(study, SETTING, label, args) for label in ("Network", "NTK", "RF", "Two Step")}
@@ -92,13 +93,31 @@ def test_tables_write_md_json_png_and_probes_are_not_tuned(tmp_path):
 
 @pytest.mark.parametrize("argv, option", [
     (["--table", "A9"], "--table"), (["--lr3-grid", "-1"], "--lr3-grid"), (["--num-train", "-3"], "--num-train"),
-    (["--steps", "2"], "--steps"), (["--lr3a-grid", "-1"], "--lr3a-grid"), (["--stage3-steps", "0"], "--stage3-steps"), (["--seed", "1", "1"], "--seed"), (["--methods", "SVM"], "--methods"),
+    (["--steps", "2"], "--steps"), (["--lr3a-grid", "-1"], "--lr3a-grid"), (["--stage3-steps", "0"], "--stage3-steps"),
+    (["--stop-check-every", "-1"], "--stop-check-every"), (["--seed", "1", "1"], "--seed"), (["--methods", "SVM"], "--methods"),
     (["--table", "MOG", "--methods", "Two Step"], "--methods"),
 ])
 def test_bad_options_name_the_option(argv, option, capsys):
     with pytest.raises(SystemExit):
         parse_args(argv)
     assert option in capsys.readouterr().err
+
+
+def test_the_stopping_step_is_chosen_on_validation(tmp_path):
+    """With validation scored at every step, each fit keeps its best state: its validation accuracy is at least
+    that of the same fit run to the end (whose last step is one of the candidates), the chosen step is recorded
+    per seed and printed; with 0 the fit runs to the end and records no step."""
+    common = ["--methods", "Network", "--stage3-steps", "6", "--num-train", "1000", "--width", "4",
+              "--lr3-grid", "1", "--lr3a-grid", "100", "--seed", "0", "1"]
+    stopped = main([*common, "--stop-check-every", "1", "--out", str(tmp_path / "stop")])["results"]["parity d=500"]
+    ended = main([*common, "--stop-check-every", "0", "--out", str(tmp_path / "end")])["results"]["parity d=500"]
+    for seed in ("0", "1"):
+        best, last = stopped["Network"]["per_seed"][seed], ended["Network"]["per_seed"][seed]
+        assert 1 <= best["stop"] <= 8 and "stop" not in last
+        assert best["val"] >= last["val"]
+        assert best["val"] == pytest.approx(best["stop_val"], abs=1e-4)  # the kept model (logged in float32)
+    assert "| stop step |" in (tmp_path / "stop" / "two_layer_A1.md").read_text()
+    assert "| stop step |" not in (tmp_path / "end" / "two_layer_A1.md").read_text()
 
 
 def test_a_setting_tuned_by_another_reuses_its_choices(tmp_path):

@@ -153,3 +153,16 @@ def test_dtype_policy_refuses_before_any_work(refused_before_work, backend, fiel
     assert msg.startswith(f"soft_threshold_layer: {field} {fragment}"), msg
     assert msg.endswith("supported: torch.float32, torch.float64 (all inputs the same dtype)"), msg
     assert error.field == field and isinstance(error, ConfigError)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fallback_without_gradient_skips_the_code_and_gives_the_same_values(dtype):
+    """Under no_grad (the contrastive step's positives and negatives) the fallback returns the forward without the
+    backward's slope code: the same values, bit for bit, as the differentiable call."""
+    x, w, b, _ = (t.to(dtype) for t in _inputs(5, (33, 50, 17), "mixed"))
+    with_grad = st.soft_threshold_layer(x, w.requires_grad_(), b, backend="torch")
+    with torch.no_grad():
+        without = st.soft_threshold_layer(x, w, b, backend="torch")
+    assert with_grad.grad_fn is not None and without.grad_fn is None
+    assert torch.equal(with_grad.detach(), without)
+    assert (without - st.soft_threshold_reference(x.double(), w.detach().double(), b.double())).abs().max() < TOL[dtype]
