@@ -6,6 +6,7 @@ import math
 
 import lightning as L
 import torch
+from lightning.pytorch.utilities import rank_zero_info
 
 
 class KeepBestOnValidation(L.Callback):
@@ -14,9 +15,14 @@ class KeepBestOnValidation(L.Callback):
     kept state back, so what the caller evaluates next is the model stopped at ``best_step``.
 
     ``last.ckpt`` (:class:`~featlearn.callbacks.FinalCheckpoint`) stays the final state, so a resumed run
-    continues from where training ended; only the module in memory changes, after every checkpoint is written.
-    A non-finite score is never kept. Under DDP the score is the one Lightning reduced over ranks, so every rank
-    keeps the same step. When no validation ran, nothing changes (``best_step`` stays None).
+    continues from where training ended; only the module in memory changes, after every checkpoint is written (and
+    after the module's ``hp/*`` results of the final state are logged), and the restored step is printed. So it
+    serves code that evaluates the module after ``trainer.fit`` (the experiments); a ``lightning fit`` run that
+    should keep its best state on disk adds Lightning's ``ModelCheckpoint(monitor=..., mode=...)`` instead.
+    A non-finite score is never kept. Under DDP every rank must see the same score: log it with
+    ``sync_dist=True`` or a torchmetrics metric (the two-layer modules do), else the ranks may keep different
+    steps. When no validation ran, nothing changes (``best_step`` stays None). The kept state is not part of
+    checkpoints: a fit resumed from one chooses among the steps validated after the resume.
 
     Where validation runs is the trainer's choice: ``val_check_interval: 50`` with
     ``check_val_every_n_epoch: null`` scores every 50 global steps.
@@ -51,8 +57,12 @@ class KeepBestOnValidation(L.Callback):
             return
         if self.best_score is None or (score > self.best_score if self.mode == "max" else score < self.best_score):
             self.best_step, self.best_score = trainer.global_step, score
-            self._state = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
+            # on the host: a GPU run does not hold a second copy of the model in device memory
+            self._state = {k: v.detach().to("cpu", copy=True) for k, v in pl_module.state_dict().items()}
 
     def on_fit_end(self, trainer, pl_module) -> None:
         if self._state is not None:
             pl_module.load_state_dict(self._state)
+            self._state = None
+            rank_zero_info(f"featlearn: kept the state of global step {self.best_step} "
+                           f"({self.monitor} {self.best_score:.6g}, the best of {len(self.scores)} validations)")

@@ -94,7 +94,8 @@ def test_tables_write_md_json_png_and_probes_are_not_tuned(tmp_path):
 @pytest.mark.parametrize("argv, option", [
     (["--table", "A9"], "--table"), (["--lr3-grid", "-1"], "--lr3-grid"), (["--num-train", "-3"], "--num-train"),
     (["--steps", "2"], "--steps"), (["--lr3a-grid", "-1"], "--lr3a-grid"), (["--stage3-steps", "0"], "--stage3-steps"),
-    (["--stop-check-every", "-1"], "--stop-check-every"), (["--seed", "1", "1"], "--seed"), (["--methods", "SVM"], "--methods"),
+    (["--stop-check-every", "-1"], "--stop-check-every"),
+    (["--stop-check-every", "60", "--stage3-steps", "50"], "--stop-check-every"), (["--seed", "1", "1"], "--seed"), (["--methods", "SVM"], "--methods"),
     (["--table", "MOG", "--methods", "Two Step"], "--methods"),
 ])
 def test_bad_options_name_the_option(argv, option, capsys):
