@@ -197,8 +197,7 @@ class ContrastiveModule(FeatureLearningModule):
         return h.reshape(*shape, self.m)
 
     def contrastive_loss(self, batch: dict, stats: bool = True) -> tuple[torch.Tensor, dict | None]:
-        """The batch's mean loss and, with ``stats``, the logged batch statistics (softmax weight of the positive,
-        firing rates; None without: a step that logs nothing skips their passes over the negatives)."""
+        """The batch's mean loss and, with ``stats``, the logged batch statistics (else None: no extra passes)."""
         xa, xq, xn = batch["x_a"], batch["x_q"], batch["x_neg"]
         ha = self(xa)
         with torch.no_grad():
@@ -210,13 +209,11 @@ class ContrastiveModule(FeatureLearningModule):
         if not stats:
             return loss.mean(), None
         n_b = hn.shape[-2] + 1
-        stats = {
+        return loss.mean(), {
             "p_pos": p_pos.mean(), "uniform_dev": (p_pos - 1.0 / n_b).abs().mean(),
             "fire_anchor": (ha != 0).float().mean(), "fire_pos": (hq != 0).float().mean(),
             "fire_neg": (hn != 0).float().mean(), "active_per_sample": (ha != 0).float().sum(-1).mean(),
-            "uniform": self.tau * math.log(n_b),
-        }
-        return loss.mean(), stats
+            "uniform": self.tau * math.log(n_b)}
 
     def _global_pool(self, h_owned: torch.Tensor, index: torch.Tensor, size: int) -> torch.Tensor:
         """The shared pool of the global batch ``[size, m]`` from every device's own negatives ``[B, r, m]``.
@@ -230,10 +227,8 @@ class ContrastiveModule(FeatureLearningModule):
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         self._prev_norm = self.w.detach().norm(dim=1)
-        logged = self._trainer is not None and self.theory_due()  # each self.log costs ~0.5 ms: only written steps
-        loss, st = self.contrastive_loss(batch, stats=logged)
-        if logged:
-            # batch means over this rank's anchors: sync_dist averages them into the global batch's (equal B)
+        loss, st = self.contrastive_loss(batch, stats=self._trainer is not None and self.theory_due())
+        if st is not None:  # only written steps (a self.log costs ~0.5 ms); sync_dist: the global batch's means
             self.log("train/loss", loss, sync_dist=True)
             self.log("train/loss_normalized", loss / st["uniform"], prog_bar=True, sync_dist=True)
             self.log("train/objective", loss.detach() + 0.5 * self.lam * (self.w.detach() ** 2).sum(), sync_dist=True)

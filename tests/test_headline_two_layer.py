@@ -107,12 +107,12 @@ def test_bad_options_name_the_option(argv, option, capsys):
 def test_the_stopping_step_is_chosen_on_validation(tmp_path):
     """With validation scored at every step, each fit keeps its best state: its validation accuracy is at least
     that of the same fit run to the end (whose last step is one of the candidates), the chosen step is recorded
-    per seed and printed; with 0 the fit runs to the end and records no step."""
+    and printed; with 0 the fit runs to the end and records no step."""
     common = ["--methods", "Network", "--stage3-steps", "6", "--num-train", "1000", "--width", "4",
-              "--lr3-grid", "1", "--lr3a-grid", "100", "--seed", "0", "1"]
+              "--lr3-grid", "1", "--lr3a-grid", "100", "--seed", "0"]
     stopped = main([*common, "--stop-check-every", "1", "--out", str(tmp_path / "stop")])["results"]["parity d=500"]
     ended = main([*common, "--stop-check-every", "0", "--out", str(tmp_path / "end")])["results"]["parity d=500"]
-    for seed in ("0", "1"):
+    for seed in ("0",):
         best, last = stopped["Network"]["per_seed"][seed], ended["Network"]["per_seed"][seed]
         assert 1 <= best["stop"] <= 8 and "stop" not in last
         assert best["val"] >= last["val"]
