@@ -130,9 +130,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="T, replacing the table's: it sets the theory's eta (and the mixture's step count)")
 
     def check(parser, args):
-        if args.stop_check_every > 2 + args.stage3_steps:
-            parser.error(f"--stop-check-every: at most the fit's {2 + args.stage3_steps} global steps (2 + "
-                         f"--stage3-steps), or 0 to run every fit to the end; got {args.stop_check_every}")
+        if args.stop_check_every > 2 + args.stage3_steps:  # no validation would run: say so, run to the end
+            print(f"--stop-check-every {args.stop_check_every} is longer than a fit ({2 + args.stage3_steps} steps): "
+                  f"every fit runs to the end (as --stop-check-every 0)")
+            args.stop_check_every = 0
         if args.steps is not None and args.steps < 3:
             parser.error(f"--steps: must be an integer > 2 (two schedule steps, then minibatches), got {args.steps}")
         available = list(dict.fromkeys(m for st in SETTINGS.tables[args.table] for m in methods_of(st)))
