@@ -253,6 +253,8 @@ class SyntheticDataModule(L.LightningDataModule):
         split, index = batch["split"], batch["index"]
         if split == "train":
             index = self._train_index(index)
+            if not getattr(getattr(self.trainer, "lightning_module", None), "samples_needed", True):  # a population loss: the step reads no samples
+                return {"index": index}
         with torch.profiler.record_function("featlearn.data"):  # a phase of `featlearn profile`'s trace
             return self.batch(index, split)
 

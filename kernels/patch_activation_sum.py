@@ -285,13 +285,22 @@ def _patch_sum(y: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     return y.sum(2) if mask is None else torch.einsum("rbp,bp->rb", y, mask)
 
 
+def _pre_activations(w: torch.Tensor, x2d: torch.Tensor) -> torch.Tensor:
+    """``A^T = w x^T`` ``[R, N]``, contiguous. On the CPU in float64 with a few rows (the non-contrastive
+    encoder's R = 2), BLAS runs ``w @ x.T`` ~2.8x slower than ``x @ w.T`` plus the transposing copy
+    (5.7 vs 2.2 ms at R = 2, d = 100, N = 32768, one thread); in float32 and at R >= 60 it is the faster one."""
+    if x2d.device.type == "cpu" and x2d.dtype == torch.float64 and w.shape[0] <= 8:
+        return (x2d @ w.T).T.contiguous()
+    return w @ x2d.T
+
+
 def _patch_sum_fwd_torch(x, w, mask, act, teacher_scale, step, student, teacher, sq, save):
     """``save`` runs one chunk (A is then in memory whole anyway) and returns its A^T [R, B*P]."""
     B, P, D = x.shape
     R = w.shape[0]
     for b0 in range(0, B, B if save else step):
         rows = slice(b0, B if save else min(B, b0 + step))
-        at = w @ x[rows].reshape(-1, D).T  # [R, b*P]
+        at = _pre_activations(w, x[rows].reshape(-1, D))  # [R, b*P]
         y = act.value_and_derivative(at, slope=False)[0].view(R, -1, P)
         if teacher is not None and teacher_scale == 1:  # the student's activations, unmasked: no second pass
             teacher[rows] = y.sum(2).T
@@ -307,7 +316,7 @@ def _patch_sum_fwd_torch(x, w, mask, act, teacher_scale, step, student, teacher,
 def _patch_sum_bwd_torch(da_buf, x, w, mask, act, gs, gq, at):
     b, P, D = x.shape
     R = w.shape[0]
-    at = (w @ x.reshape(-1, D).T if at is None else at).view(R, b, P)
+    at = (_pre_activations(w, x.reshape(-1, D)) if at is None else at).view(R, b, P)
     if gq is None:
         slope, coeff = act.derivative(at), gs.T.unsqueeze(2)
     else:  # 2 g_squares f(A) (+ g_student), in place on the temporary f(A)

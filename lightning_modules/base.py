@@ -54,6 +54,9 @@ class FeatureLearningModule(L.LightningModule):
     weight_norm_scale: float | None = None
     """Weights that start at 0 have no initial norm to measure growth from: the guard then measures the
     weight norm against this scale while the smallest over its window is below it (``None``: no scale)."""
+    samples_needed: bool = True
+    """False where the training loss never reads the batch (a closed-form population loss): the DataModule
+    then hands ``training_step`` the batch's indices only and draws no samples."""
     step_size_fields: tuple[str, ...] = ("lr",)
     """The ``__init__`` arguments that set the step size, which a divergence message tells the user to lower."""
 

@@ -165,6 +165,10 @@ class NonContrastiveModule(FeatureLearningModule):
         self.lead = 0 if self.lucky_first else int(torch.argmax(lucky))
         self.tracker = PhaseTracker(self.lead, d, self.lr / max(self.head_lr, 1e-300)) if m == 2 else None
 
+    @property
+    def samples_needed(self) -> bool:
+        return self.gradient != "population"
+
     def target_weights(self) -> torch.Tensor:
         return self.w_target if self.hparams.target == "ema" else self.w
 

@@ -46,12 +46,22 @@ def test_a_module_refuses_another_datamodule(tmp_path, capsys, monkeypatch):
     assert not list(tmp_path.rglob("*.ckpt"))
 
 
-def test_a_run_shows_figures_results_and_clean_hparams(tmp_path, one_thread):
+def test_a_run_shows_figures_results_and_clean_hparams(tmp_path, one_thread, monkeypatch):
+    from featlearn.callbacks import progress
+    from featlearn.metrics.figures import plt
+
+    monkeypatch.setattr(progress, "REDRAW_SECONDS", 1e9)  # so the bar redraws at the first and last steps only
+    open_figures = set(plt.get_fignums())
     cli = make_cli(["--config", str(ROOT / "configs/mrp/mae.yaml"), "--trainer.max_steps", "4",
                     "--trainer.logger.init_args.save_dir", str(tmp_path), "--trainer.logger.init_args.version", "v",
                     "--heatmap.every_n_steps", "2", "--trainer.enable_model_summary", "false"], run=False)
-    cli.trainer.fit(cli.model, cli.datamodule)
     bar = cli.trainer.progress_bar_callback
+    draws = []
+    monkeypatch.setattr(type(bar), "get_metrics", lambda self, *a: draws.append(1) or {})
+    cli.trainer.fit(cli.model, cli.datamodule)
+    monkeypatch.undo()
+    assert len(draws) == 2, "a redraw per step, not throttled"
+    assert set(plt.get_fignums()) == open_figures, "the heat maps' figures outlived the fit"
     assert type(bar).__name__ == "StepProgressBar" and bar.total_train_batches == 4
     assert bar.train_progress_bar.n == 4  # steps, not batches of the current epoch
     assert "loss" in bar.get_metrics(cli.trainer, cli.model)  # the training loss, for every method alike
@@ -63,7 +73,9 @@ def test_a_run_shows_figures_results_and_clean_hparams(tmp_path, one_thread):
 
     events = EventAccumulator(str(run))
     events.Reload()
-    assert "heatmap/correlation" in events.Tags()["images"]
+    frames = events.Images("heatmap/correlation")  # steps 2 and 4, and the end of fit
+    assert [f.step for f in frames] == [2, 4, 4]
+    assert frames[0].encoded_image_string != frames[1].encoded_image_string  # a reused figure is redrawn
     results = [t for t in events.Tags()["scalars"] if t.startswith("hp/")]
     assert results, "final_metrics() reached no hp/ scalar"
     assert "hp_metric" not in events.Tags()["scalars"]

@@ -310,3 +310,24 @@ def test_rotation_invariance_of_population_loss():
     with torch.no_grad():
         model.w.copy_(dm.features)
     assert torch.allclose(model.correlations(), torch.eye(2, dtype=torch.float64), atol=1e-12)
+
+
+@pytest.mark.parametrize("gradient", ["population", "sample"])
+def test_population_mode_draws_no_training_samples(gradient, monkeypatch):
+    """The population loss never reads the batch, so the DataModule serves indices only: drawing the unused
+    samples (~4 ms a step at batch size 2) cost half of every population step through the Trainer."""
+    dm = TwoFeaturePatchDataModule(dim=12, num_patches=8, num_feature_patches=2, batch_size=16, seed=1)
+    model = NonContrastiveModule(width=2, gradient=gradient).attach(dm)
+    drawn = []
+    sample = dm.sample
+    monkeypatch.setattr(dm, "sample", lambda index, split: drawn.append(split) or sample(index, split))
+    _fit(model, dm, 3, every=1)
+    assert drawn.count("train") == (0 if gradient == "population" else 3)
+    assert len(model.history) == 3 and all(math.isfinite(h["train/loss"]) for h in model.history)
+
+
+def test_simulator_refuses_features_that_are_not_orthonormal():
+    """The simulator steps on B = W V^T and U U^T, which describe W only for orthonormal features."""
+    w0 = torch.randn(1, 2, 6, dtype=torch.float64)
+    with pytest.raises(ConfigError, match="features"):
+        simulate_population(w0, 2 * torch.eye(2, 6, dtype=torch.float64), [4.0, 2.7], [0.5, 0.5], 32, 8, 1.0, steps=2)

@@ -11,8 +11,8 @@ constants (features, alphas, probs, P, P0, noise std); nothing reads a DataModul
 * :func:`representation_correlation`, :func:`substitution_ratio`: the theory's diagnostics (Cor. 4.2 / 4.4,
   Lemma 5.2).
 * :func:`feature_outcome` (DIV / COL / PAR), :class:`PhaseTracker` (the four phases of Sec. 5).
-* :func:`simulate_population`: batched population gradient descent (Algorithm 1 with N = infinity), the
-  simulator of the headline table; ``NonContrastiveModule(gradient="population")`` runs the same steps.
+* :func:`simulate_population`: batched population gradient descent (Algorithm 1 with N = infinity) on the
+  moments the loss reads (:func:`moment_loss`), the simulator of the headline table; ``NonContrastiveModule(gradient="population")`` runs the same steps.
 
 Example:
     >>> w = torch.eye(2, 6, dtype=torch.float64)                       # w_j = v_j: the optimum
@@ -103,13 +103,19 @@ def population_terms(w: torch.Tensor, head: torch.Tensor, features: torch.Tensor
         bt, at = (b.detach(), a.detach()) if stop_grad else (b, a)
     else:
         bt, at = gram(wt)
+    return {**_moment_terms(b, a, bt, at, head, coef, c), "B": b, "a": a}
+
+
+def _moment_terms(b, a, bt, at, head, coef, c) -> dict:
+    """E[F G], E F^2, E G^2 from the feature weights and noise Grams of the online (b, a) and target
+    (bt, at) weights: the loss reads the weights through these alone."""
     eb3 = head @ b ** 3                                                  # (E B^3)_{j l}
     efg = c["C0"] * (coef * eb3 * bt ** 3).sum(-1)
     m_on = _moments_M(a)
     u = c["C1"] * (coef * eb3 ** 2).sum(-1) + c["C2"] * torch.diagonal(head @ m_on @ head.transpose(-1, -2),
                                                                        dim1=-2, dim2=-1)
     eg2 = c["C1"] * (coef * bt ** 6).sum(-1) + c["C2"] * 15 * torch.diagonal(at, dim1=-2, dim2=-1) ** 3
-    return {"EFG": efg, "U": u, "EG2": eg2, "B": b, "a": a}
+    return {"EFG": efg, "U": u, "EG2": eg2}
 
 
 def population_loss(w, head, features, alphas, probs, num_patches, num_feature_patches, noise_std,
@@ -120,6 +126,23 @@ def population_loss(w, head, features, alphas, probs, num_patches, num_feature_p
                          w_target, stop_grad)
     eg2 = t["EG2"].detach() if stop_grad else t["EG2"]
     return 2 - 2 * (t["EFG"] / torch.sqrt(t["U"] * eg2)).mean(-1)
+
+
+def moment_loss(b: torch.Tensor, gram: torch.Tensor, head: torch.Tensor, alphas, probs, num_patches: int,
+                num_feature_patches: int, noise_std: float) -> torch.Tensor:
+    """:func:`population_loss` of the shared stop-grad target from ``B = W V^T [..., m, K]`` and the noise
+    parts' Gram ``U U^T [..., m, m]``, which is all it reads of ``W`` (orthonormal features).
+
+    Example:
+        >>> w, v, e = torch.randn(2, 6).double(), torch.eye(2, 6).double(), torch.eye(2).double()
+        >>> b, u = split_weights(w, v); args = ([4.0, 2.7], [0.5, 0.5], 32, 8, 1.0)
+        >>> bool(torch.isclose(moment_loss(b, u @ u.T, e, *args), population_loss(w, e, v, *args)))
+        True
+    """
+    c = hypergeometric_moments(num_patches, num_feature_patches)
+    a = noise_std ** 2 * gram
+    t = _moment_terms(b, a, b.detach(), a.detach(), head, _feature_weights(alphas, probs, b), c)
+    return 2 - 2 * (t["EFG"] / torch.sqrt(t["U"] * t["EG2"].detach())).mean(-1)
 
 
 def representation_correlation(w: torch.Tensor, features: torch.Tensor, alphas, probs, num_patches: int,
@@ -223,24 +246,29 @@ class PhaseTracker:
         return 4
 
 
-def _population_chunk_fn(features, alphas, probs, num_patches, num_feature_patches, noise_std, lr, chunk):
-    """``chunk`` population-GD steps on (w [S, m, d], e [S, m, m]); ``head_step [S, m, m]`` = eta_E * mask;
-    ``peak`` carries max |E| over every step, since E21 can rise and fall between two records."""
+def _population_chunk_fn(alphas, probs, num_patches, num_feature_patches, noise_std, lr, chunk):
+    """``chunk`` population-GD steps on b = B [S, m, K], g = U U^T, q (U_t = q U_0) and e = E (each [S, m, m]);
+    ``head_step`` = eta_E * mask; ``peak``: max |E| over every step (E21 can rise and fall between records).
+    The loss reads W through B = W V^T and G alone, so dL/dW = (dL/dB) V + (dL/dG + dL/dG^T) U: a GD step on W
+    is B -= eta dL/dB, U <- (I - eta (dL/dG + dL/dG^T)) U, in O(m^2 K) instead of O(m d) per run."""
     from torch.func import grad_and_value
 
-    def total(w, e):
-        return population_loss(w, e, features, alphas, probs, num_patches, num_feature_patches,
-                               noise_std).sum()  # runs are independent: grad of the sum = per-run grads
+    def total(b, g, e):  # runs are independent: grad of the sum = per-run grads
+        return moment_loss(b, g, e, alphas, probs, num_patches, num_feature_patches, noise_std).sum()
 
-    gv = grad_and_value(total, argnums=(0, 1))
+    gv = grad_and_value(total, argnums=(0, 1, 2))
 
-    def run(w, e, head_step, peak):
+    def run(b, g, q, e, head_step, peak):
+        eye = torch.eye(g.shape[-1], dtype=g.dtype, device=g.device)
         for _ in range(chunk):
-            (gw, ge), _ = gv(w, e)
-            w = w - lr * gw
+            (gb, gg, ge), _ = gv(b, g, e)
+            shrink = eye - lr * (gg + gg.transpose(-1, -2))
+            b = b - lr * gb
+            g = shrink @ g @ shrink.transpose(-1, -2)
+            q = shrink @ q
             e = e - head_step * ge
             peak = torch.maximum(peak, e.abs())
-        return w, e, peak
+        return b, g, q, e, peak
 
     return run
 
@@ -251,11 +279,13 @@ def simulate_population(w0: torch.Tensor, features: torch.Tensor, alphas, probs,
                         compile: bool = False, chunk: int = 10, progress: bool = False) -> dict:
     """Population gradient descent (the gradient of :func:`population_loss`) on a batch of independent runs
     ``w0 [S, m, d]`` at once (Algorithm 1 with N = infinity: W and E updated from the same point, diag(E) fixed at 1).
+    The steps run on the moments B = W V^T and U U^T that the loss reads (:func:`_population_chunk_fn`), so a
+    step costs the same at every d; the final ``w`` is rebuilt from them and W0's noise parts.
 
     ``head`` is one of ``HEADS`` or a list with one entry per run (e.g. with and without head in one
-    batch). ``compile=True`` runs ``chunk`` steps per ``torch.compile``d call (about 25x faster on CPU
-    after a one-off compile of a minute or two); ``record_every`` must then be a multiple of ``chunk``.
-    ``progress``: a progress bar over the steps.
+    batch). ``compile=True`` runs ``chunk`` steps per ``torch.compile``d call (~80 us a step for 64 runs
+    on one CPU thread, ~35x the eager steps, after a one-off compile of ~5 s); ``record_every`` must then
+    be a multiple of ``chunk``. ``progress``: a progress bar over the steps.
 
     Returns ``steps [T]``, ``cos [T, S, m, K]``, ``B [T, S, m, K]``, ``R [T, S, m]``, ``E [T, S, m, m]``,
     ``loss [T, S]`` recorded every ``record_every`` steps (and at the end), the final ``w``, ``head``, and
@@ -277,13 +307,17 @@ def simulate_population(w0: torch.Tensor, features: torch.Tensor, alphas, probs,
     head_lr = lr if head_lr is None else head_lr
     feats = features.to(w0)
     eye = torch.eye(m, dtype=w0.dtype, device=w0.device)
+    if not torch.allclose(feats @ feats.T, torch.eye(len(feats), dtype=w0.dtype, device=w0.device), atol=1e-10):
+        raise ConfigError("features", "orthonormal rows (the moments B = W V^T and U U^T describe W)", "other rows")
     masks = {"offdiag": 1 - eye, "full": torch.ones_like(eye), "none": torch.zeros_like(eye)}
     head_step = torch.stack([head_lr * masks[h] for h in heads])
-    w = w0.clone()
+    b, u0 = split_weights(w0, feats)
+    g = u0 @ u0.transpose(-1, -2)
+    q = eye.expand(s, m, m).clone()
     e = eye.expand(s, m, m).clone()
     peak = e.abs()
     k = chunk if compile else 1
-    constants = (feats, list(alphas), list(probs), num_patches, num_feature_patches, float(noise_std), float(lr))
+    constants = (list(alphas), list(probs), num_patches, num_feature_patches, float(noise_std), float(lr))
     run = _population_chunk_fn(*constants, k)
     if compile:
         run = torch.compile(run, dynamic=False)
@@ -291,14 +325,13 @@ def simulate_population(w0: torch.Tensor, features: torch.Tensor, alphas, probs,
 
     def record(t):
         with torch.no_grad():
-            loss = population_loss(w, e, feats, alphas, probs, num_patches, num_feature_patches, noise_std)
-            b, u = split_weights(w, feats)
+            r = torch.diagonal(g, dim1=-2, dim2=-1).clone()
             rec["steps"].append(t)
             rec["B"].append(b.clone())
-            rec["cos"].append(b / w.norm(dim=-1, keepdim=True))
-            rec["R"].append((u * u).sum(-1))
+            rec["cos"].append(b / torch.sqrt((b * b).sum(-1) + r)[..., None])
+            rec["R"].append(r)
             rec["E"].append(e.clone())
-            rec["loss"].append(loss.clone())
+            rec["loss"].append(moment_loss(b, g, e, alphas, probs, num_patches, num_feature_patches, noise_std))
 
     t = 0
     record(0)
@@ -306,11 +339,12 @@ def simulate_population(w0: torch.Tensor, features: torch.Tensor, alphas, probs,
         while t < steps:
             if t + k > steps:  # tail shorter than a chunk: eager single steps
                 run, k = _population_chunk_fn(*constants, 1), 1
-            w, e, peak = run(w, e, head_step, peak)
+            b, g, q, e, peak = run(b, g, q, e, head_step, peak)
             t += k
             if t % record_every == 0 or t == steps:
                 record(t)
                 bar.update(t - bar.n)
     out = {key: torch.stack(v) if key != "steps" else torch.tensor(v) for key, v in rec.items()}
+    w = b @ feats + q @ u0
     out["w"], out["head"], out["E_peak"] = w, e, peak
     return out
