@@ -9,8 +9,8 @@ class HeatmapLogger(L.Callback):
 
     Each matrix becomes a matplotlib figure under ``heatmap/<name>`` in TensorBoard's IMAGES tab, with the
     module's axis labels (``heatmap_axes``), its fixed colour scale (``heatmap_scale``) and a colour bar.
-    A matrix's figure is laid out once and redrawn with each frame's values: building and laying out a
-    figure took ~2/3 of a frame's ~0.2 s, which at MRP's 50-step interval was ~10% of every step.
+    A matrix's figure is laid out once and redrawn with each frame's values: a new figure per frame cost
+    ~0.23 s against ~0.08 s for the redraw (a 60 x 10 matrix, one CPU thread).
 
     Example:
         >>> trainer = L.Trainer(callbacks=[HeatmapLogger(every_n_steps=100)])  # doctest: +SKIP

@@ -63,6 +63,13 @@ class StepProgressBar(TQDMProgressBar):
         metrics = super().get_metrics(trainer, pl_module)
         return metrics if self._loss is None else {"loss": f"{self._loss:.4g}", **metrics}
 
+    def on_train_end(self, trainer, pl_module) -> None:
+        # the last redraw may be up to REDRAW_SECONDS old (a run stopped by max_epochs, early stopping, ...)
+        if not self.train_progress_bar.disable:
+            self.train_progress_bar.n = trainer.global_step
+            self.train_progress_bar.set_postfix(self.get_metrics(trainer, pl_module))
+        super().on_train_end(trainer, pl_module)
+
     def on_train_epoch_end(self, trainer, pl_module) -> None:
         # in full-batch mode every step ends an epoch: the same throttle as the steps'
         now = time.monotonic()

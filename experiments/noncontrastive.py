@@ -256,7 +256,9 @@ def run_size(study: Study, dim: int, args) -> dict:
     steps = args.steps or step_rule(dim, args.lr)
     record_every = max(CHUNK, steps // args.records // CHUNK * CHUNK)
     runs = variant_runs(dim, steps, args)
-    spec = {"runs": [run.spec() for run in runs.values()], "seeds": seeds, "record_every": record_every}
+    # "simulator": results of the W-stepping simulator (before the moments) are refit, not mixed in
+    spec = {"runs": [run.spec() for run in runs.values()], "seeds": seeds, "record_every": record_every,
+            "simulator": "moments"}
 
     def simulate() -> dict:
         t0 = time.time()

@@ -60,7 +60,7 @@ def test_a_run_shows_figures_results_and_clean_hparams(tmp_path, one_thread, mon
     monkeypatch.setattr(type(bar), "get_metrics", lambda self, *a: draws.append(1) or {})
     cli.trainer.fit(cli.model, cli.datamodule)
     monkeypatch.undo()
-    assert len(draws) == 2, "a redraw per step, not throttled"
+    assert len(draws) == 3, "a redraw per step, not throttled (first step, last step, end of fit)"
     assert set(plt.get_fignums()) == open_figures, "the heat maps' figures outlived the fit"
     assert type(bar).__name__ == "StepProgressBar" and bar.total_train_batches == 4
     assert bar.train_progress_bar.n == 4  # steps, not batches of the current epoch
@@ -75,7 +75,6 @@ def test_a_run_shows_figures_results_and_clean_hparams(tmp_path, one_thread, mon
     events.Reload()
     frames = events.Images("heatmap/correlation")  # steps 2 and 4, and the end of fit
     assert [f.step for f in frames] == [2, 4, 4]
-    assert frames[0].encoded_image_string != frames[1].encoded_image_string  # a reused figure is redrawn
     results = [t for t in events.Tags()["scalars"] if t.startswith("hp/")]
     assert results, "final_metrics() reached no hp/ scalar"
     assert "hp_metric" not in events.Tags()["scalars"]
@@ -92,3 +91,34 @@ def test_experiment_command_line(tmp_path, capsys):
     assert "--seed: seeds must be distinct" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         parse_experiment_args(parser, ["--threads", "0"])
+
+
+def test_the_bar_ends_at_the_last_step_when_epochs_stop_the_run(tmp_path, one_thread, monkeypatch):
+    from featlearn.callbacks import progress
+
+    monkeypatch.setattr(progress, "REDRAW_SECONDS", 1e9)  # no redraw between the first step and the end
+    cli = make_cli(["--config", str(ROOT / "configs/mrp/mae.yaml"), "--trainer.max_steps", "50", "--trainer.max_epochs",
+                    "3", "--trainer.logger.init_args.save_dir", str(tmp_path),
+                    "--trainer.enable_model_summary", "false"], run=False)
+    cli.trainer.fit(cli.model, cli.datamodule)
+    assert cli.trainer.global_step == 3 and cli.trainer.progress_bar_callback.train_progress_bar.n == 3
+
+
+def test_a_heat_map_frame_shows_the_new_values_on_the_reused_figure():
+    """The figure is laid out once and redrawn: the second frame must show the second matrix, not the first."""
+    import torch
+    from types import SimpleNamespace
+    from torch.utils.tensorboard._utils import figure_to_image
+
+    from featlearn.callbacks.heatmap import HeatmapLogger
+
+    module = SimpleNamespace(heatmap_axes=("neuron", "feature"), heatmap_scale=1.0)
+    logger = HeatmapLogger()
+    first = logger._figure("c", torch.eye(3), module, "same title")
+    image_first = figure_to_image(first, close=False).copy()
+    second = logger._figure("c", -torch.eye(3), module, "same title")
+    assert second is first
+    assert torch.equal(torch.as_tensor(second.axes[0].images[0].get_array()), -torch.eye(3, dtype=torch.float64))
+    assert (figure_to_image(second, close=False) != image_first).any()  # same title: only the data can differ
+    logger.on_exception(None, None, None)
+    assert not logger._figures

@@ -330,4 +330,5 @@ def test_simulator_refuses_features_that_are_not_orthonormal():
     """The simulator steps on B = W V^T and U U^T, which describe W only for orthonormal features."""
     w0 = torch.randn(1, 2, 6, dtype=torch.float64)
     with pytest.raises(ConfigError, match="features"):
-        simulate_population(w0, 2 * torch.eye(2, 6, dtype=torch.float64), [4.0, 2.7], [0.5, 0.5], 32, 8, 1.0, steps=2)
+        simulate_population(w0, (1 + 5e-6) * torch.eye(2, 6, dtype=torch.float64), [4.0, 2.7], [0.5, 0.5], 32, 8,
+                            1.0, steps=2)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from featlearn.errors import ConfigError
@@ -109,12 +110,16 @@ def norm_constrained_fit(F: torch.Tensor, y: torch.Tensor, bound: float) -> torc
     keep = sig > sig.max() * 1e-12 if sig.numel() else sig > 0
     U, sig, Vh = U[:, keep], sig[keep], Vh[keep]
     proj = U.t() @ y
-    norm = lambda lam: float(torch.linalg.vector_norm(sig * proj / (sig ** 2 + lam)))  # noqa: E731
+    # the bisection on host floats (a torch call per probe cost ~5 ms a fit, most of the m-sweep's time)
+    s_np, p_np = sig.detach().cpu().numpy(), proj.detach().cpu().numpy()
+    norm = lambda lam: float(np.linalg.norm(s_np * p_np / (s_np ** 2 + lam)))  # noqa: E731
     lam = 0.0
     if norm(0.0) > bound:
-        lo, hi = 0.0, float(torch.linalg.vector_norm(sig * proj)) / bound  # at hi: ||u|| <= ||S p|| / hi = bound
+        lo, hi = 0.0, float(np.linalg.norm(s_np * p_np)) / bound  # at hi: ||u|| <= ||S p|| / hi = bound
         for _ in range(200):
             mid = (lo + hi) / 2
+            if mid in (lo, hi):  # converged to adjacent floats: later probes change nothing
+                break
             lo, hi = (mid, hi) if norm(mid) > bound else (lo, mid)
         lam = hi
     return Vh.t() @ (sig * proj / (sig ** 2 + lam))
