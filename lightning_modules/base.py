@@ -34,7 +34,7 @@ from torch.profiler import record_function
 
 from featlearn.datamodules.base import SyntheticDataModule
 from featlearn.errors import ConfigError
-from featlearn.metrics.figures import log_results, plt, tensorboard_writer
+from featlearn.metrics.figures import HeatmapFrames, log_results, plt, tensorboard_writer
 
 # Optimizer-state entries that are learned state rather than configuration; everything else in a param
 # group (lr, weight_decay, momentum, ...) comes from the current config when a run is resumed.
@@ -141,6 +141,20 @@ class FeatureLearningModule(L.LightningModule):
         if writer is not None:
             writer.add_figure(tag, figure, self.global_step)
         plt.close(figure)
+
+    def log_heatmap(self, tag: str, matrix: torch.Tensor, **figure_args) -> None:
+        """Log ``matrix`` as a heat map (:func:`~featlearn.metrics.figures.heatmap_figure`'s keyword arguments)
+        at the current step, redrawn on the figure kept for ``tag`` (rank 0; no-op without TensorBoard)."""
+        writer = tensorboard_writer(self._trainer)
+        if writer is None:
+            return
+        if getattr(self, "_heatmap_frames", None) is None:
+            self._heatmap_frames = HeatmapFrames()
+        writer.add_figure(tag, self._heatmap_frames.figure(tag, matrix, **figure_args), self.global_step, close=False)
+
+    def on_fit_end(self) -> None:
+        if getattr(self, "_heatmap_frames", None) is not None:
+            self._heatmap_frames.close()
 
     def correlations(self) -> torch.Tensor:
         """Neuron x feature correlation matrix ``[R, F]``."""

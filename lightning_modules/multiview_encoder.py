@@ -117,3 +117,4 @@ class MultiViewEncoder(FeatureLearningModule):
         writer = tensorboard_writer(self._trainer)
         if len(steps) and writer is not None:
             writer.add_histogram("first_capture_step", steps, self.global_step)
+        super().on_fit_end()

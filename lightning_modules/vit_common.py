@@ -16,7 +16,7 @@ from featlearn.datamodules.global_local_patches import GlobalLocalPatchDataModul
 from featlearn.callbacks.divergence import check_guards
 from featlearn.lightning_modules.base import FeatureLearningModule
 from featlearn.metrics import to_host
-from featlearn.metrics.figures import heatmap_figure, tensorboard_writer
+from featlearn.metrics.figures import tensorboard_writer
 from featlearn.theory.vit import attention_diversity
 
 FIGURE_EVERY = 4  # attention figures and histograms on every 4th logged step (and at the end of training)
@@ -248,12 +248,12 @@ class GlobalLocalViT(FeatureLearningModule):
         if maps is not None and self.has_grid:
             for name, value in self.diversity(*maps).items():
                 writer.add_scalar(f"train/{name}", float(value), step)
-        self.log_figure("attention/areas", heatmap_figure(
-            area_matrix(A.detach(), own), xlabel="key area (0 = global; last column: masked keys)",
-            ylabel="query area (0 = global)", vmax=1.0, diverging=False, title=f"mean area attention, step {step}"))
-        self.log_figure("attention/sample", heatmap_figure(
-            sample_map, xlabel="key patch (sorted by area)", ylabel="query patch (sorted by area)", vmax=sample_vmax,
-            diverging=False, title=f"attention of one sample, step {step}"))
+        self.log_heatmap("attention/areas", area_matrix(A.detach(), own),
+                         xlabel="key area (0 = global; last column: masked keys)", ylabel="query area (0 = global)",
+                         vmax=1.0, diverging=False, title=f"mean area attention, step {step}")
+        self.log_heatmap("attention/sample", sample_map, xlabel="key patch (sorted by area)",
+                         ylabel="query patch (sorted by area)", vmax=sample_vmax, diverging=False,
+                         title=f"attention of one sample, step {step}")
         parts = self.phi_parts()
         local = parts["local"]
         for name, values in (("phi/own_local", parts["own"][local]), ("phi/own_global", parts["own"][~local]),

@@ -22,7 +22,7 @@ matplotlib.use("Agg")  # before pyplot: figures are rendered to files and Tensor
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
-__all__ = ["heatmap_figure", "curves_figure", "bars_figure", "save_png", "tensorboard_writer"]
+__all__ = ["heatmap_figure", "HeatmapFrames", "curves_figure", "bars_figure", "save_png", "tensorboard_writer"]
 
 
 def _array(values):
@@ -44,6 +44,46 @@ def heatmap_figure(matrix, *, xlabel: str, ylabel: str, vmax: float, title: str 
     ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
     fig.colorbar(image, ax=ax)
     return fig
+
+
+class HeatmapFrames:
+    """Heat-map figures kept by tag, laid out once and redrawn with each frame's matrix: a new figure per
+    frame cost ~0.23 s against ~0.08 s for the redraw (60 x 10 matrix; 0.39 / 0.17 s at 256 x 256), which
+    at a frame every 50 steps is several percent of a run. A frame whose shape changed gets a new figure.
+
+    Example:
+        >>> frames = HeatmapFrames()
+        >>> a = frames.figure("c", torch.eye(2), xlabel="f", ylabel="n", vmax=1.0, title="step 1")
+        >>> frames.figure("c", -torch.eye(2), xlabel="f", ylabel="n", vmax=1.0, title="step 2") is a
+        True
+        >>> frames.close()
+    """
+
+    def __init__(self):
+        self._figures: dict = {}  # tag -> (figure, image)
+
+    def figure(self, tag: str, matrix, *, xlabel: str, ylabel: str, vmax: float, title: str = "",
+               diverging: bool = True) -> plt.Figure:
+        """The figure of ``tag`` showing ``matrix`` (:func:`heatmap_figure`'s arguments); keep it open."""
+        data = _array(matrix)
+        figure, image = self._figures.get(tag, (None, None))
+        if figure is not None and image.get_array().shape == data.shape:
+            image.set_data(data)
+            figure.axes[0].set_title(title)
+            return figure
+        if figure is not None:
+            plt.close(figure)
+        figure = heatmap_figure(data, xlabel=xlabel, ylabel=ylabel, vmax=vmax, title=title, diverging=diverging)
+        figure.canvas.draw()                # lay out once (constrained layout), then keep the positions
+        figure.set_layout_engine("none")
+        self._figures[tag] = (figure, figure.axes[0].images[0])
+        return figure
+
+    def close(self) -> None:
+        """Close every kept figure (end of a fit)."""
+        for figure, _ in self._figures.values():
+            plt.close(figure)
+        self._figures.clear()
 
 
 def _runs(values) -> list:

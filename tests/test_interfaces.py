@@ -107,18 +107,19 @@ def test_the_bar_ends_at_the_last_step_when_epochs_stop_the_run(tmp_path, one_th
 def test_a_heat_map_frame_shows_the_new_values_on_the_reused_figure():
     """The figure is laid out once and redrawn: the second frame must show the second matrix, not the first."""
     import torch
-    from types import SimpleNamespace
     from torch.utils.tensorboard._utils import figure_to_image
 
-    from featlearn.callbacks.heatmap import HeatmapLogger
+    from featlearn.metrics.figures import HeatmapFrames, plt
 
-    module = SimpleNamespace(heatmap_axes=("neuron", "feature"), heatmap_scale=1.0)
-    logger = HeatmapLogger()
-    first = logger._figure("c", torch.eye(3), module, "same title")
+    before = set(plt.get_fignums())
+    frames, args = HeatmapFrames(), dict(xlabel="feature", ylabel="neuron", vmax=1.0, title="same title")
+    first = frames.figure("c", torch.eye(3), **args)
     image_first = figure_to_image(first, close=False).copy()
-    second = logger._figure("c", -torch.eye(3), module, "same title")
+    second = frames.figure("c", -torch.eye(3), **args)
     assert second is first
     assert torch.equal(torch.as_tensor(second.axes[0].images[0].get_array()), -torch.eye(3, dtype=torch.float64))
     assert (figure_to_image(second, close=False) != image_first).any()  # same title: only the data can differ
-    logger.on_exception(None, None, None)
-    assert not logger._figures
+    third = frames.figure("c", torch.eye(4), **args)  # a new shape: a new figure, the old one closed
+    assert third is not first and set(plt.get_fignums()) - before == {third.number}
+    frames.close()
+    assert set(plt.get_fignums()) == before

@@ -14,6 +14,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from featlearn.cli import make_cli
 from featlearn.datamodules.global_local_patches import GlobalLocalPatchDataModule
 from featlearn.errors import ConfigError
+from featlearn.metrics.figures import plt
 from featlearn.lightning_modules import vit_cl
 from featlearn.lightning_modules.vit_cl import ViTCL, infonce_in_batch
 from featlearn.theory import vit as theory
@@ -235,7 +236,9 @@ def test_cli_run_logs_metrics_figures_and_results(tmp_path):
                     "--trainer.log_every_n_steps", "2", "--trainer.logger.init_args.save_dir", str(tmp_path),
                     "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
                     "--data.init_args.d", "384", "--data.init_args.batch_size", "8"], run=False)
+    open_figures = set(plt.get_fignums())
     cli.trainer.fit(cli.model, cli.datamodule)
+    assert set(plt.get_fignums()) == open_figures, "the attention figures outlived the fit"
     run = next(tmp_path.rglob("hparams.yaml")).parent
     events = EventAccumulator(str(run), size_guidance={"scalars": 0})
     events.Reload()
