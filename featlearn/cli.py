@@ -86,6 +86,9 @@ class FeatlearnCLI(LightningCLI):
         # no prefix matching: `--trainer.max_step 5` is refused (with a suggestion), not read as max_steps
         kwargs.setdefault("parser_kwargs", {"allow_abbrev": False, "epilog": OTHER_COMMANDS,
                                             "formatter_class": _RawEpilog})
+        # without a logger the config is saved as ./config.yaml: the next such run replaces it instead of
+        # stopping with SaveConfigCallback's traceback (a logger's run folder is new for every run anyway)
+        kwargs.setdefault("save_config_kwargs", {"overwrite": True})
         argv = kwargs.get("args")
         check_yaml_files(sys.argv[1:] if argv is None else argv)
         quiet_known_noise()

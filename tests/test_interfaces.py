@@ -123,3 +123,13 @@ def test_a_heat_map_frame_shows_the_new_values_on_the_reused_figure():
     assert third is not first and set(plt.get_fignums()) - before == {third.number}
     frames.close()
     assert set(plt.get_fignums()) == before
+
+
+def test_two_runs_without_a_logger_in_one_folder(tmp_path, one_thread, monkeypatch):
+    """Without a logger the config is saved as ./config.yaml; the second run replaces it (it stopped with
+    SaveConfigCallback's RuntimeError traceback)."""
+    monkeypatch.chdir(tmp_path)
+    for steps in ("1", "2"):
+        main(["fit", "--config", str(ROOT / "configs/mrp/mae.yaml"), "--trainer.max_steps", steps, "--trainer.logger",
+              "false", "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"])
+    assert "max_steps: 2" in (tmp_path / "config.yaml").read_text()
