@@ -86,11 +86,8 @@ class FeatlearnCLI(LightningCLI):
         # no prefix matching: `--trainer.max_step 5` is refused (with a suggestion), not read as max_steps
         kwargs.setdefault("parser_kwargs", {"allow_abbrev": False, "epilog": OTHER_COMMANDS,
                                             "formatter_class": _RawEpilog})
-        # without a logger the config is saved as ./config.yaml: the next such run replaces it instead of
-        # stopping with SaveConfigCallback's traceback (a logger's run folder is new for every run anyway)
-        kwargs.setdefault("save_config_kwargs", {"overwrite": True})
-        argv = kwargs.get("args")
-        check_yaml_files(sys.argv[1:] if argv is None else argv)
+        kwargs.setdefault("save_config_kwargs", {"overwrite": True})  # ./config.yaml of logger-less runs
+        check_yaml_files(sys.argv[1:] if kwargs.get("args") is None else kwargs["args"])
         quiet_known_noise()
         super().__init__(*args, **kwargs)
 
