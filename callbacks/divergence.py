@@ -80,11 +80,15 @@ class DivergenceGuard(L.Callback):
 
     def on_train_start(self, trainer, pl_module) -> None:
         self._trainer = weakref.ref(trainer)
+        if _judges_seeds(pl_module):
+            return
         self._pending, self._loss = [], None
         if not self.history:  # the initial weights are the first reference: a first step can blow up too
             self.history.append((trainer.global_step, {"loss": 0.0, "weight_norm": float(_weight_norm(pl_module))}))
 
     def on_before_backward(self, trainer, pl_module, loss: torch.Tensor) -> None:
+        if _judges_seeds(pl_module):  # several seeds in one run: each is judged alone (SeedStack.guard)
+            return
         if self.interval(trainer) == 1:  # read now: the step is never applied
             if not bool(torch.isfinite(loss).all()):
                 self._stop(trainer.global_step, trainer.current_epoch, f"train loss is {float(loss.flatten()[0])}",
@@ -99,6 +103,8 @@ class DivergenceGuard(L.Callback):
             self._loss = (torch.where(ok, first, kept), ok & finite)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if _judges_seeds(pl_module):
+            return
         self._push(trainer, pl_module, outputs)
         step = trainer.global_step
         if step % self.interval(trainer) == 0 or any(save_may_fall_due(c, step) for c in trainer.checkpoint_callbacks):
@@ -265,9 +271,17 @@ def save_may_fall_due(callback, step: int) -> bool:
 
 def check_guards(trainer) -> None:
     """Have every :class:`DivergenceGuard` of ``trainer`` read its kept steps now (before a save)."""
+    if _judges_seeds(trainer.lightning_module):
+        trainer.lightning_module.guard.check()
+        return
     for callback in trainer.callbacks:
         if isinstance(callback, DivergenceGuard) and trainer.lightning_module is not None:
             callback.check_now(trainer, trainer.lightning_module)
+
+
+def _judges_seeds(pl_module) -> bool:
+    """A :class:`~featlearn.lightning_modules.seeds.SeedStack` judges each of its seeds alone."""
+    return getattr(pl_module, "judges_seeds", False)
 
 
 def _callback_metrics(trainer) -> dict:

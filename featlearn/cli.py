@@ -14,51 +14,28 @@ Every run gets a :class:`~featlearn.callbacks.DivergenceGuard`, a
 what a method allows is refused before training with a message naming the field.
 """
 import argparse
-import ast
-import difflib
-import math
-import re
 import sys
-from typing import Literal
+
+import yaml
 
 from lightning.fabric.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.cli import LightningCLI
 
 from lightning.pytorch.callbacks import ProgressBar
+from lightning.fabric.utilities.seed import seed_everything
 
 from featlearn.callbacks import DivergenceGuard, FinalCheckpoint, HeatmapLogger, StepProgressBar
 from featlearn.checkpoints import check_fits, class_path, read_checkpoint
 from featlearn.datamodules.base import SyntheticDataModule
+from featlearn.datamodules.seeds import SeedStackDataModule
+from featlearn.cli_errors import (RUN_FIELDS, _ShortErrorParser, _check_devices, _config_error, _raised_by_trainer,
+                                  _refuse)
 from featlearn.errors import ConfigError, DivergenceError
 from featlearn.lightning_modules.base import FeatureLearningModule
+from featlearn.lightning_modules.seeds import SeedStack
 from featlearn.quiet import quiet_known_noise
-from featlearn.validation import (NonNegativeInt, PositiveInt, accepts, check_yaml_files, describe, int_at_least,
-                                  number_type)
+from featlearn.validation import accepts, check_yaml_files, describe
 
-GrowthFactor = number_type("GrowthFactor", float, 1, math.inf, True, True, "a finite factor > 1")
-
-# Trainer and callback fields whose types (from Lightning) admit values that fail only once training runs
-# (a ZeroDivisionError at the first logged step) or deep inside the Trainer; checked after parsing.
-RUN_FIELDS = {
-    "trainer.max_steps": (int_at_least(-1), "-1: no limit"),
-    "trainer.min_steps": (NonNegativeInt | None, ""),
-    "trainer.max_epochs": (int_at_least(-1) | None, "-1: no limit"),
-    "trainer.min_epochs": (NonNegativeInt | None, ""),
-    "trainer.log_every_n_steps": (PositiveInt | None, ""),
-    "trainer.check_val_every_n_epoch": (PositiveInt | None, ""),
-    "trainer.num_nodes": (PositiveInt, ""),
-    "trainer.num_sanity_val_steps": (int_at_least(-1) | None, ""),
-    "trainer.accumulate_grad_batches": (Literal[1], "sample streams follow the optimizer step; raise "
-                                                    "data.batch_size instead"),
-    "checkpoint.every_n_train_steps": (NonNegativeInt | None, "0 or null: no periodic saves"),
-    "checkpoint.every_n_epochs": (NonNegativeInt | None, ""),
-    "checkpoint.save_top_k": (int_at_least(-1), ""),
-    "heatmap.every_n_steps": (PositiveInt, ""),
-    "divergence.window": (PositiveInt, ""),
-    "divergence.loss_growth": (GrowthFactor | None, ""),
-    "divergence.weight_growth": (GrowthFactor | None, ""),
-    "divergence.check_every_n_steps": (PositiveInt | None, "null: trainer.log_every_n_steps"),
-}
 # names Lightning resolves itself from the run's checkpoint callback
 _CKPT_ALIASES = ("last", "best", "hpc")
 
@@ -78,6 +55,10 @@ class FeatlearnCLI(LightningCLI):
         parser.add_lightning_class_args(DivergenceGuard, "divergence")
         parser.add_lightning_class_args(HeatmapLogger, "heatmap")
         parser.add_lightning_class_args(FinalCheckpoint, "checkpoint")
+        parser.add_argument("--seeds", type=list[int] | None, default=None,
+                            help="train these seeds together in one run, each as --seed_everything s "
+                                 "--data.init_args.seed s (and the model's seed) would alone: one TensorBoard run "
+                                 "and checkpoint per seed under <log_dir>/seed_<s> (featlearn.lightning_modules.seeds)")
         parser.set_defaults({"checkpoint.save_last": True, "checkpoint.every_n_train_steps": 100,
                              "checkpoint.save_top_k": 0, "checkpoint.monitor": None})
 
@@ -162,130 +143,39 @@ class FeatlearnCLI(LightningCLI):
             return
         self.datamodule.check_devices(self.trainer.world_size)
         self.model.attach(self.datamodule)
+        seeds = self.config[self.subcommand].get("seeds")
+        if seeds:
+            self.model, self.datamodule = self._stack_seeds(seeds)
         if self._ckpt is not None:
             path, ckpt = self._ckpt
             self._ckpt = None
             check_fits("ckpt_path", path, ckpt, self.model)
 
-
-class _ShortErrorParser(LightningArgumentParser):
-    """Print a parse error as one line, ``error: <field>: <what is wrong>``, without the usage text."""
-
-    def error(self, message: str, ex: Exception | None = None):
-        if not self.exit_on_error:  # an inner parser: its caller reports the error
-            return super().error(message, ex)
-        _refuse(short_message(message) + self._suggestion(message))
-
-    def _suggestion(self, message: str) -> str:
-        """``; did you mean --trainer.max_steps?`` for an option or config key the parser does not know."""
-        unknown = (re.search(r"unrecognized arguments: -*([\w.]+)", message, re.IGNORECASE)
-                   or re.search(r"does not accept option '([\w.]+)'", message))
-        if unknown is None:
-            return ""
-        known = [o[2:] for p in self._parsers() for o in p._option_string_actions if o.startswith("--")]
-        close = difflib.get_close_matches(unknown.group(1), known, n=1, cutoff=0.75)
-        return f"; did you mean --{close[0]}?" if close else ""
-
-    def _parsers(self):
-        """This parser and its subcommands' (``fit``, ``validate``, ...)."""
-        found = [self]
-        for action in self._actions:
-            choices = getattr(action, "choices", None)
-            if isinstance(choices, dict):
-                found += [p for p in choices.values() if isinstance(p, argparse.ArgumentParser)]
-        return found
-
-
-def _refuse(line: str):
-    sys.stderr.write(f"error: {line}\n")
-    raise SystemExit(2)
-
-
-def short_message(message: str) -> str:
-    """``field: reason`` from a jsonargparse error, which nests one ``Parser key "name":`` block per class
-    level (``model`` > ``m``) around the reason (``Not of type IntAtLeast1: must be ..., got 0``)."""
-    keys, reason = [], None
-    for raw in message.splitlines():
-        line = raw.strip().lstrip("-").strip()
-        key = re.match(r'Parser key "([^"]+)":\s*(.*)$', line)
-        if key:
-            keys.append(key.group(1))
-            line = key.group(2)
-        if not line or line.startswith(("Does not validate against", "Subtypes:", "Errors:", "Problem with given",
-                                        "Given value", "Expected a <class 'NoneType'>")):
-            continue
-        reason = line
-        break
-    if not keys:
-        return message.strip().splitlines()[0] if message.strip() else "invalid arguments"
-    field = ".".join(k for k in keys if k != "init_args").replace(".init_args.", ".")
-    reason = reason or "invalid value"
-    reason = re.sub(r"^Not of type \w+: ", "", reason)
-    literal = re.match(r"Expected a typing\.Literal\[(.*)\]\. Got value: (.*)$", reason)
-    if literal:
-        try:
-            allowed = describe(Literal[ast.literal_eval(f"({literal.group(1)},)")])
-        except (ValueError, SyntaxError):
-            allowed = f"one of ({literal.group(1)})"
-        reason = f"must be {allowed}, got {literal.group(2)!r}"
-    plain = re.match(r"Expected a <class '(\w+)'>(?:\. Got value: (.*))?$", reason)
-    given = re.search(r"^\s*Given value: (.*)$", message, re.MULTILINE)
-    given = plain.group(2) if plain and plain.group(2) is not None else given.group(1) if given else None
-    if plain and field in RUN_FIELDS:  # a Lightning annotation (float | None): say what featlearn allows
-        allowed, note = RUN_FIELDS[field]
-        reason = f"must be {describe(allowed)}" + (f" ({note})" if note else "") + f", got {given!r}"
-    elif plain and plain.group(1) == "float" and given is not None and _not_finite(given):
-        reason = f"must be a finite number, got {given!r}"   # nan and inf are floats to Python, not to us
-    elif plain:
-        reason = f"must be of type {plain.group(1)}, got {given!r}"
-    return f"{field}: {reason}"
-
-
-def _not_finite(text: str) -> bool:
-    try:
-        return not math.isfinite(float(text))
-    except ValueError:
-        return False
-
-
-def _check_devices(value) -> None:
-    """``trainer.devices``: a count >= 1, -1 (every device), 'auto', or device ids (a list, or '0,1')."""
-    if isinstance(value, str) and re.fullmatch(r"\s*-?\d+\s*", value):
-        value = int(value)
-    ids = value if isinstance(value, (list, tuple)) else None
-    if isinstance(value, str) and "," in value:
-        ids = [int(p) if p.strip().isdigit() else -1 for p in value.split(",") if p.strip()]
-    ok = (value == "auto" or value == -1 or (isinstance(value, int) and not isinstance(value, bool) and value >= 1)
-          or (ids is not None and len(ids) > 0 and all(isinstance(i, int) and i >= 0 for i in ids)))
-    if not ok:
-        raise ConfigError("trainer.devices", "a device count >= 1, -1 (all), 'auto' or a list of device ids",
-                          value)
-
-
-def _config_error(err: Exception) -> ConfigError | None:
-    """The ConfigError behind an error raised while instantiating (jsonargparse re-raises what a class
-    raises as its own ValueError, sometimes keeping only the text)."""
-    seen = err
-    while seen is not None:
-        if isinstance(seen, ConfigError):
-            return seen
-        seen = seen.__cause__ or seen.__context__
-    for line in str(err).splitlines():
-        field, sep, rest = line.strip(" -").partition(": must be ")
-        if sep and re.fullmatch(r"[\w.]+", field):
-            allowed, _, got = rest.rpartition(", got ")
-            return ConfigError(field, allowed or rest, got)
-    return None
-
-
-def _raised_by_trainer(err: BaseException) -> bool:
-    """Whether Lightning's Trainer set-up (accelerator, strategy, precision connectors) raised ``err``."""
-    tb = err.__traceback__
-    while tb is not None:
-        if "lightning/pytorch/trainer/" in tb.tb_frame.f_code.co_filename.replace("\\", "/"):
-            return True
-        tb = tb.tb_next
-    return False
+    def _stack_seeds(self, seeds: list[int]):
+        """The config's method and data once per seed, each built as a run of that seed alone would be, as
+        a :class:`~featlearn.lightning_modules.seeds.SeedStack` and its DataModule."""
+        if len(set(seeds)) != len(seeds):
+            raise ConfigError("seeds", "distinct seeds", seeds)
+        if self.subcommand != "fit":
+            raise ConfigError("seeds", f"given to `fit` only (for `{self.subcommand}`, give one seed's own "
+                                       "checkpoint, <log_dir>/seed_<s>/last.ckpt)", seeds)
+        parser, config = self._parser(self.subcommand), self.config[self.subcommand]
+        models, datas, dump = [], [], self.config_dump
+        for seed in seeds:
+            seeded = config.clone()
+            seeded["seed_everything"] = seed
+            for key in ("data.init_args.seed", "model.init_args.seed"):
+                if key in seeded:
+                    seeded[key] = seed
+            # the hyperparameters a module saves are read from this dump (LightningCLI's instantiator)
+            self.config_dump = yaml.safe_load(parser.dump(seeded, skip_link_targets=False, skip_none=False))
+            seed_everything(seed, verbose=False)
+            built = parser.instantiate_classes(seeded)
+            built.data.check_devices(self.trainer.world_size)
+            models.append(built.model.attach(built.data))
+            datas.append(built.data)
+        self.config_dump = dump
+        return SeedStack(models, seeds), SeedStackDataModule(datas, seeds)
 
 
 def _results_not_placeholders(logger) -> None:

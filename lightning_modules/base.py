@@ -57,6 +57,10 @@ class FeatureLearningModule(L.LightningModule):
     samples_needed: bool = True
     """False where the training loss never reads the batch (a closed-form population loss): the DataModule
     then hands ``training_step`` the batch's indices only and draws no samples."""
+    seeds_vmap: bool = False
+    """Whether several seeds in one run (:mod:`featlearn.lightning_modules.seeds`) compute this method's loss in
+    one ``torch.func.vmap`` call of :meth:`seed_loss` (then ``training_step`` is ``record_step(seed_loss(batch),
+    batch)``); otherwise each seed runs its own ``training_step`` in turn."""
     step_size_fields: tuple[str, ...] = ("lr",)
     """The ``__init__`` arguments that set the step size, which a divergence message tells the user to lower."""
 
@@ -83,10 +87,21 @@ class FeatureLearningModule(L.LightningModule):
         self.attach(self.trainer.datamodule)
 
     def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:
+        self.prepare_step(optimizer)
         optimizer.step(closure=optimizer_closure)
         # Inside the optimisation step, so every callback (checkpoints included) sees finished steps only.
         with torch.no_grad(), record_function("featlearn.metrics"):  # a phase of `featlearn profile`'s trace
             self.finish_step(self.global_step + 1)  # Lightning counts the step once this hook returns
+
+    def prepare_step(self, optimizer) -> None:
+        """Set what the coming step needs before its forward runs (a schedule's step sizes in ``optimizer``)."""
+
+    def logged(self, name: str):
+        """The last value logged as ``name`` (this seed's, for one seed of several in one run), else None."""
+        stack = self.seed_stack()
+        if stack is None:
+            return self.trainer.callback_metrics.get(name)
+        return stack.logged[self._seed_row].get(name)
 
     def finish_step(self, step: int) -> None:
         """Complete optimisation step number ``step`` (1 for the first), whose update was just applied."""
@@ -131,13 +146,34 @@ class FeatureLearningModule(L.LightningModule):
         metrics = {f"hp/{k}": float(v) for k, v in self.final_metrics().items()}
         if not metrics or self.trainer.global_rank != 0:
             return
-        data = self.trainer.datamodule
-        log_results(self.trainer, {**(data.hparams_initial if data is not None else {}), **self.hparams_initial},
-                    metrics)
+        stack = self.seed_stack()
+        data = self.trainer.datamodule if stack is None else self.trainer.datamodule.members[self._seed_row]
+        params = {**(data.hparams_initial if data is not None else {}), **self.hparams_initial}
+        if stack is None:
+            log_results(self.trainer, params, metrics)
+        else:
+            stack.member_results(self, params, metrics)
+
+    # --- one seed of several in one run (featlearn.lightning_modules.seeds) ----------------------------
+    def seed_stack(self):
+        """The :class:`~featlearn.lightning_modules.seeds.SeedStack` this module is one seed of, else None."""
+        owner = self.__dict__.get("_seed_owner")
+        return owner() if owner is not None else None
+
+    def log(self, name: str, value, *args, **kwargs) -> None:
+        """Lightning's ``self.log``; for one seed of a stack, a scalar in that seed's TensorBoard run."""
+        stack = self.seed_stack()
+        if stack is None:
+            return super().log(name, value, *args, **kwargs)
+        stack.member_log(self, name, value)
+
+    def _writer(self):
+        stack = self.seed_stack()
+        return tensorboard_writer(self._trainer) if stack is None else stack.member_writer(self)
 
     def log_figure(self, tag: str, figure) -> None:
         """Log a matplotlib figure to TensorBoard at the current step (rank 0; no-op without TensorBoard)."""
-        writer = tensorboard_writer(self._trainer)
+        writer = self._writer()
         if writer is not None:
             writer.add_figure(tag, figure, self.global_step)
         plt.close(figure)
@@ -145,7 +181,7 @@ class FeatureLearningModule(L.LightningModule):
     def log_heatmap(self, tag: str, matrix: torch.Tensor, **figure_args) -> None:
         """Log ``matrix`` as a heat map (:func:`~featlearn.metrics.figures.heatmap_figure`'s keyword arguments)
         at the current step, redrawn on the figure kept for ``tag`` (rank 0; no-op without TensorBoard)."""
-        writer = tensorboard_writer(self._trainer)
+        writer = self._writer()
         if writer is None:
             return
         if getattr(self, "_heatmap_frames", None) is None:

@@ -45,7 +45,6 @@ from featlearn.kernels.infonce import infonce_stopgrad
 from featlearn.kernels.soft_threshold import soft_threshold_layer
 from featlearn.lightning_modules.base import FeatureLearningModule
 from featlearn.lightning_modules.contrastive_regularization import ContrastiveRegularization
-from featlearn.metrics.figures import tensorboard_writer
 from featlearn.metrics.probes import SplitBuffer, all_gather_cat
 from featlearn.theory.contrastive import EVAL_KEYS, downstream_metrics, feature_metrics, feature_scalars, grown_bias
 from featlearn.validation import NonNegativeFloat, PositiveFloat, PositiveInt, check_args, check_memory, int_at_least
@@ -278,7 +277,7 @@ class ContrastiveModule(FeatureLearningModule):
 
     def _log_histograms(self) -> None:
         """TensorBoard histograms of rho_i, |alpha_ij| / ||w_i|| and |N_i|."""
-        writer = tensorboard_writer(self._trainer)
+        writer = self._writer()
         if writer is None:
             return
         fm = feature_metrics(self.w.detach(), self.bias.detach(), self.M, self.tau)

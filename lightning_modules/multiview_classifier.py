@@ -30,7 +30,6 @@ from torchmetrics.classification import MulticlassAccuracy
 from featlearn.checkpoints import read_checkpoint
 from featlearn.errors import ConfigError
 from featlearn.lightning_modules.multiview_encoder import MultiViewEncoder
-from featlearn.metrics.figures import tensorboard_writer
 from featlearn.validation import PositiveFloat, check_args
 
 VIEWS = ("all", "multi", "single")
@@ -121,7 +120,7 @@ class MultiViewClassifier(MultiViewEncoder):
     def _evaluate(self, batch, stage: str) -> None:
         logits, y, single = self(batch["x"]), batch["y"], batch["single_view"]
         pred, margin = logits.argmax(1), classification_margin(logits, y)
-        writer = tensorboard_writer(self._trainer) if stage == "test" else None
+        writer = self._writer() if stage == "test" else None
         for view, keep in (("all", torch.ones_like(single)), ("multi", ~single), ("single", single)):
             if keep.any():
                 metric = self.metrics[f"{stage}_{view}"]

@@ -24,7 +24,6 @@ from featlearn.datamodules.multiview import MultiViewDataModule
 from featlearn.kernels import Activation, patch_activation_sum
 from featlearn.kernels.backend import Backend
 from featlearn.lightning_modules.base import FeatureLearningModule
-from featlearn.metrics.figures import tensorboard_writer
 from featlearn.theory.mrp import capture_stats, lottery_factor
 from featlearn.validation import PositiveFloat, PositiveInt, check_args, check_memory, int_at_least
 
@@ -114,7 +113,7 @@ class MultiViewEncoder(FeatureLearningModule):
     def on_fit_end(self) -> None:
         """Histogram of the per-feature first-capture steps (TensorBoard ``first_capture_step``)."""
         steps = self.first_capture_step[self.first_capture_step >= 0]
-        writer = tensorboard_writer(self._trainer)
+        writer = self._writer()
         if len(steps) and writer is not None:
             writer.add_histogram("first_capture_step", steps, self.global_step)
         super().on_fit_end()

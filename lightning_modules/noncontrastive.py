@@ -166,6 +166,11 @@ class NonContrastiveModule(FeatureLearningModule):
         self.tracker = PhaseTracker(self.lead, d, self.lr / max(self.head_lr, 1e-300)) if m == 2 else None
 
     @property
+    def seeds_vmap(self) -> bool:
+        """Population mode's loss is plain torch ops; the sampled loss's fused kernels have no vmap rule."""
+        return self.gradient == "population"
+
+    @property
     def samples_needed(self) -> bool:
         return self.gradient != "population"
 
@@ -268,14 +273,20 @@ class NonContrastiveModule(FeatureLearningModule):
         return out
 
     # --- Lightning hooks ------------------------------------------------------------------------
+    def seed_loss(self, batch) -> torch.Tensor:
+        """The step's training loss, a pure function of the weights and the batch (what
+        :class:`~featlearn.lightning_modules.seeds.SeedStack` runs once for all seeds through ``vmap``)."""
+        return self.population_loss() if self.gradient == "population" else self.batch_loss(batch)
+
     def training_step(self, batch, batch_idx):
-        if self.gradient == "population":
-            loss = backprop = self.population_loss()
-        else:
-            loss = backprop = self.batch_loss(batch)
-            ws = self.trainer.world_size if self._trainer is not None else 1
-            if ws > 1:  # the loss is global (synced statistics); DDP averages gradients over ranks
-                backprop = loss * ws
+        return self.record_step(self.seed_loss(batch), batch)
+
+    def record_step(self, loss: torch.Tensor, batch) -> torch.Tensor:
+        """The step's metrics and logs from its loss; returns what to backpropagate."""
+        backprop = loss
+        ws = self.trainer.world_size if self._trainer is not None else 1
+        if self.gradient == "sample" and ws > 1:  # the loss is global (synced statistics); DDP averages gradients
+            backprop = loss * ws
         self.last_loss = loss.detach()
         if self.theory_due():
             rho = None
@@ -296,7 +307,7 @@ class NonContrastiveModule(FeatureLearningModule):
 
     def validation_step(self, batch, batch_idx):
         with torch.no_grad():
-            loss = self.population_loss() if self.gradient == "population" else self.batch_loss(batch)
+            loss = self.seed_loss(batch)
         self.log("val/loss", loss, on_epoch=True, batch_size=batch["x"].shape[0], sync_dist=True)
 
     def configure_optimizers(self):

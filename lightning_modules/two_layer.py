@@ -290,14 +290,13 @@ class TwoLayerBase(FeatureLearningModule):
     def on_fit_start(self) -> None:
         self.total_steps()  # refuse a schedule without T before the first step
 
-    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:
+    def prepare_step(self, optimizer) -> None:
         # the schedule's step sizes and decays, set before the closure runs the forward: a frozen layer's
         # requires_grad is off, so its backward GEMM is skipped
         for group in optimizer.param_groups:
             group["lr"], group["decay"] = self.schedule_at(self.global_step + 1)["groups"][group["name"]]
             for p in group["params"]:
                 p.requires_grad_(group["lr"] != 0 or group["decay"] != 1)
-        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
 
     def log_step(self, loss: torch.Tensor, stage: int) -> None:
         """The training scalars: the batch's loss (averaged over ranks), the stage and CosSim."""
@@ -333,7 +332,7 @@ class TwoLayerBase(FeatureLearningModule):
         self._log_accuracy(batch, "val")
 
     def on_validation_epoch_end(self) -> None:
-        value = self.trainer.callback_metrics.get("val/acc")
+        value = self.logged("val/acc")
         if value is not None:
             self.val_acc.fill_(float(value))
 

@@ -50,7 +50,6 @@ from featlearn.kernels.backend import Backend, Precision, resolve_backend
 from featlearn.kernels.masked_attention import masked_attention
 from featlearn.lightning_modules.vit_common import GlobalLocalViT, attention_sums, distributed, global_means
 from featlearn.metrics import to_host
-from featlearn.metrics.figures import tensorboard_writer
 from featlearn.metrics.probes import all_gather_cat
 from featlearn.papers import cite
 from featlearn.theory.vit import cl_loss_floor, init_values, patch_vectors
@@ -237,7 +236,7 @@ class ViTCL(GlobalLocalViT):
             decay = 0.5 * self.hparams.weight_decay * self.Q.detach().square().sum()
             met["train/objective"] = met["train/loss"] + decay
             self.log_metrics(met)
-            if self.figures_due() and tensorboard_writer(self._trainer) is not None:
+            if self.figures_due() and self._writer() is not None:
                 self._log_figures(batch, out["A"])
         return out["loss"]
 

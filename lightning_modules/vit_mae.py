@@ -44,7 +44,6 @@ from featlearn.kernels.backend import Backend, Precision
 from featlearn.kernels.masked_attention import masked_attention
 from featlearn.lightning_modules.vit_common import GlobalLocalViT, attention_sums, global_means
 from featlearn.metrics import to_host
-from featlearn.metrics.figures import tensorboard_writer
 from featlearn.theory.vit import (area_loss, batch_loss_floor, eta_mae, init_loss, init_values, loss_floor,
                                   patch_vectors)
 from featlearn.validation import OpenUnitInterval, PositiveFloat, check_args, check_memory
@@ -264,7 +263,7 @@ class ViTMAE(GlobalLocalViT):
             # the floors beside the loss curves: theory/loss_floor, theory/loss_floor_local, theory/loss_floor_global
             met.update({f"theory/loss_{k}": torch.tensor(v) for k, v in self.floor.items()})
             self.log_metrics(met)
-            if self.figures_due() and tensorboard_writer(self._trainer) is not None:
+            if self.figures_due() and self._writer() is not None:
                 self._log_figures(batch, A)
         return loss
 

@@ -190,12 +190,36 @@ def log_results(trainer, params: Mapping, results: Mapping[str, float]) -> None:
         logger.log_metrics(dict(results), step=trainer.global_step)
     writer = tensorboard_writer(trainer)
     if writer is not None:
-        from torch.utils.tensorboard.summary import hparams
+        write_hparams(writer, params, results, trainer.global_step)
 
-        _, start, end = hparams(_plain(params), dict(results))
-        for summary in (start, end):
-            writer.file_writer.add_summary(summary, trainer.global_step)
-        writer.flush()
+
+def write_hparams(writer, params: Mapping, results: Mapping[str, float], step: int) -> None:
+    """One run's session of TensorBoard's HPARAMS tab (see :func:`log_results`) into ``writer``."""
+    from torch.utils.tensorboard.summary import hparams
+
+    _, start, end = hparams(_plain(params), dict(results))
+    for summary in (start, end):
+        writer.file_writer.add_summary(summary, step)
+    writer.flush()
+
+
+def seed_writer(trainer, seed: int):
+    """The ``SummaryWriter`` of one seed's run, ``<log_dir>/seed_<seed>``, of a run that trains several seeds
+    (:mod:`featlearn.lightning_modules.seeds`), on rank 0 with TensorBoard, else ``None``; closed with
+    :func:`close_seed_writers`."""
+    if tensorboard_writer(trainer) is None:
+        return None
+    writers = trainer.__dict__.setdefault("_featlearn_seed_writers", {})
+    if seed not in writers:
+        from torch.utils.tensorboard import SummaryWriter
+
+        writers[seed] = SummaryWriter(f"{trainer.log_dir}/seed_{seed}")
+    return writers[seed]
+
+
+def close_seed_writers(trainer) -> None:
+    for writer in trainer.__dict__.pop("_featlearn_seed_writers", {}).values():
+        writer.close()
 
 
 def _plain(params: Mapping, prefix: str = "") -> dict:

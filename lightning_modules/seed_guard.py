@@ -1,0 +1,201 @@
+"""Divergence per seed for a :class:`~featlearn.lightning_modules.seeds.SeedStack`: a seed that diverges stops
+alone, keeps the state it had before the damage, and the other seeds go on.
+
+Each step's per-seed numbers (loss, whether it is finite, the weight norm of the seed's rows) are kept on the
+device and read in one transfer every ``check_every_n_steps`` steps (the CLI's ``divergence.*`` settings, whose
+:class:`~featlearn.callbacks.DivergenceGuard` stands aside for a stack), then judged in order as the guard
+judges a run: a non-finite loss or weight, or a watched quantity (the method's ``blowup_factors``) more than its
+factor times its smallest value over the last ``window`` steps. A seed below the square root of every factor is
+healthy, and its state (rows and the member's buffers) is kept in memory as its snapshot; a seed that diverges
+goes back to its snapshot, is held there (its rows are restored after every optimizer step), and the snapshot is
+written to ``<log_dir>/seed_<s>/before_divergence.ckpt`` with a message naming the seed, the step, the quantity
+and the field to change. A seed whose method asks to stop (``trainer.should_stop``) is held the same way.
+"""
+from __future__ import annotations
+
+import math
+import weakref
+from collections import deque
+from pathlib import Path
+
+import lightning as L
+import torch
+from lightning.pytorch.utilities import rank_zero_warn
+
+from featlearn.errors import DivergenceError
+
+QUANTITIES = ("loss", "weight_norm")
+
+
+class SeedGuard:
+    """The per-seed judge of one stack (module docstring); its ``state_dict`` goes into the run's checkpoints."""
+
+    def __init__(self, stack):
+        self._stack = weakref.ref(stack)
+        self.window, self.every, self.factors = 20, None, dict(stack.members[0].blowup_factors)
+        self.scale = getattr(stack.members[0], "weight_norm_scale", None)
+        size = len(stack.members)
+        self.history = [deque(maxlen=self.window) for _ in range(size)]
+        self.snapshots: list[dict | None] = [None] * size
+        self.stopped: dict[int, str] = {}      # seed row -> why it stopped ("diverged: ..." or "finished")
+        self._losses = None
+        self._pending: list[tuple[int, torch.Tensor]] = []
+
+    @property
+    def stack(self):
+        return self._stack()
+
+    def start(self) -> None:
+        """Take the CLI's ``divergence.*`` settings and a first snapshot of every seed."""
+        from featlearn.callbacks import DivergenceGuard
+
+        trainer = self.stack.trainer
+        cli = next((c for c in trainer.callbacks if isinstance(c, DivergenceGuard)), None)
+        if cli is not None:
+            self.factors = cli.factors(self.stack.members[0])
+            self.every = cli.check_every_n_steps
+            if cli.window != self.window:
+                self.window = cli.window
+                self.history = [deque(h, maxlen=self.window) for h in self.history]
+        for s in self.stack.live:
+            self.snapshots[s] = self._snapshot(s)
+        self._pending = []
+
+    def record(self, losses: torch.Tensor) -> None:
+        self._losses = losses
+
+    def after_step(self, step: int) -> None:
+        stack = self.stack
+        if self._losses is None:
+            return
+        norms = torch.zeros(len(stack.members), dtype=torch.float64, device=self._losses.device)
+        for leaf in stack.stacked:
+            norms = norms + leaf.detach().flatten(1).to(torch.float64).pow(2).sum(1)
+        losses = self._losses.to(torch.float64)
+        self._pending.append((step, torch.stack([losses, torch.isfinite(losses).to(torch.float64), norms.sqrt()])))
+        self._losses = None
+        every = self.every or max(1, stack.trainer.log_every_n_steps)
+        if (step + 1) % every == 0 or stack.trainer.should_stop:
+            self.check()
+
+    def check(self) -> None:
+        """Judge the kept steps (one host transfer); stop the seeds that diverged."""
+        if not self._pending:
+            return
+        stack, pending, self._pending = self.stack, self._pending, []
+        rows = torch.stack([t for _, t in pending]).cpu().tolist()      # [steps][3][S]
+        healthy = set(stack.live)
+        for (step, _), (loss, finite, norm) in zip(pending, rows):
+            for s in sorted(healthy):
+                reason = self._judge(s, step, {"loss": abs(loss[s]), "weight_norm": norm[s]}, finite[s] == 1.0,
+                                     loss[s])
+                if reason is not None:
+                    healthy.discard(s)
+                    self._stop(s, step, reason)
+        for s in healthy:
+            if not self._suspect(s):
+                self.snapshots[s] = self._snapshot(s)
+        if not any(stack.alive) and self.stopped and all(r.startswith("diverged") for r in self.stopped.values()):
+            raise DivergenceError("every seed diverged: " + "; ".join(
+                f"seed {stack.seeds[s]} {r.removeprefix('diverged: ')}" for s, r in sorted(self.stopped.items())))
+
+    def _judge(self, s: int, step: int, now: dict, loss_finite: bool, loss: float) -> str | None:
+        if not loss_finite:
+            return f"train loss is {loss} at step {step}"
+        if not math.isfinite(now["weight_norm"]):
+            return f"its weights are not finite at step {step}"
+        for quantity, factor in self.factors.items():
+            past = [h[quantity] for h in self.history[s]]
+            floor = self.scale if quantity == "weight_norm" else None
+            smallest = min(past) if past else None
+            if smallest is not None and floor is not None and smallest < floor:
+                smallest = floor
+            if factor is not None and smallest and now[quantity] > factor * smallest:
+                return (f"{quantity} grew from {smallest:.4g} to {now[quantity]:.4g} (over {factor:g}x) by step "
+                        f"{step}")
+        self.history[s].append(now)
+        return None
+
+    def _suspect(self, s: int) -> bool:
+        if not self.history[s]:
+            return False
+        last = self.history[s][-1]
+        for quantity, factor in self.factors.items():
+            past = [h[quantity] for h in self.history[s]]
+            if factor is not None and min(past) > 0 and last[quantity] > math.sqrt(factor) * min(past):
+                return True
+        return False
+
+    # --- stopping and holding a seed ---------------------------------------------------------
+    def _snapshot(self, s: int) -> dict:
+        stack, member = self.stack, self.stack.members[s]
+        state = {name: leaf.detach()[s].clone() for name, leaf in zip(stack.names, stack.stacked)}
+        state.update({k: v.detach().clone() for k, v in member.state_dict().items()})
+        return state
+
+    def _restore(self, s: int) -> None:
+        stack, snap = self.stack, self.snapshots[s]
+        with torch.no_grad():
+            for name, leaf in zip(stack.names, stack.stacked):
+                leaf[s] = snap[name]
+            stack.members[s].load_state_dict({k: v for k, v in snap.items() if k not in stack.names}, strict=False)
+
+    def _stop(self, s: int, step: int, reason: str) -> None:
+        stack = self.stack
+        stack.alive[s] = False
+        self.stopped[s] = f"diverged: {reason}"
+        self._restore(s)
+        path = self.write(s, "before_divergence.ckpt")
+        fields = " or ".join(f"--model.init_args.{f}" for f in stack.members[s].step_size_fields)
+        rank_zero_warn(f"seed {stack.seeds[s]} diverged ({reason}) and stops here; the other seeds go on. Its state "
+                       f"before the damage is {path or 'kept in memory (no logger)'}: rerun that seed alone with a "
+                       f"smaller {fields} (--seed_everything {stack.seeds[s]} --ckpt_path {path or '...'}).")
+
+    def finish(self, s: int) -> None:
+        """Seed row ``s`` asked to stop (its method's own stopping rule): hold it where it is."""
+        self.stack.alive[s] = False
+        self.stopped[s] = "finished"
+        self.snapshots[s] = self._snapshot(s)
+
+    def hold_stopped_rows(self) -> None:
+        """Undo the optimizer's update of stopped seeds (momentum, Adam state or weight decay still move them)."""
+        stack = self.stack
+        for s, ok in enumerate(stack.alive):
+            if not ok:
+                for name, leaf in zip(stack.names, stack.stacked):
+                    leaf.data[s] = self.snapshots[s][name]
+
+    # --- files -----------------------------------------------------------------------------
+    def write(self, s: int, filename: str, state: dict | None = None) -> str | None:
+        """Seed row ``s`` as a checkpoint of its method in ``<log_dir>/seed_<seed>/filename`` (rank 0)."""
+        stack = self.stack
+        trainer = stack._trainer
+        if trainer is None or trainer.global_rank != 0 or not trainer.log_dir:
+            return None
+        member = stack.members[s]
+        folder = Path(trainer.log_dir) / f"seed_{stack.seeds[s]}"
+        folder.mkdir(parents=True, exist_ok=True)
+        state = self.snapshots[s] if state is None else state
+        kind = type(member)
+        hparams = {**dict(member.hparams_initial), "_class_path": f"{kind.__module__}.{kind.__qualname__}"}
+        torch.save({"state_dict": {k: v.cpu() for k, v in state.items()}, "hyper_parameters": hparams,
+                    "global_step": trainer.global_step, "seed": stack.seeds[s],
+                    "pytorch-lightning_version": L.__version__}, folder / filename)
+        return str(folder / filename)
+
+    def write_final(self) -> None:
+        """Each seed that did not diverge: its final state as ``seed_<s>/last.ckpt``."""
+        self.check()
+        for s in range(len(self.stack.members)):
+            if not self.stopped.get(s, "").startswith("diverged"):
+                self.write(s, "last.ckpt", self._snapshot(s))
+
+    def state_dict(self) -> dict:
+        return {"alive": list(self.stack.alive), "stopped": dict(self.stopped), "snapshots": self.snapshots}
+
+    def load_state_dict(self, state: dict) -> None:
+        if not state:
+            return
+        self.stack.alive[:] = state["alive"]
+        self.stopped = dict(state["stopped"])
+        self.snapshots = list(state["snapshots"])

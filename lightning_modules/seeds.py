@@ -1,0 +1,322 @@
+"""Several seeds of one method in one run: S independent models trained by one Trainer step.
+
+``lightning fit --config CONFIG --seeds '[0, 1, 2, 3]'`` builds the config's method and data once per seed
+(seed s sets ``seed_everything``, ``data.seed`` and the model's ``seed``, as ``--seed_everything s
+--data.init_args.seed s`` would alone), then trains them together, so the Trainer's fixed cost per step is
+paid once for all seeds and small GEMMs become batched ones:
+
+* **Weights.** Each trained tensor of the method is one leaf with a leading seed axis ``[S, ...]``; member s
+  reads row s (and its step-finishing projections, caps and EMA updates write row s). One optimizer over the
+  stacked leaves with the method's own settings: featlearn's optimizers (SGD, Adam) act elementwise, so this is
+  S optimizers, each with its own state.
+* **Loss.** Methods that define ``seed_loss(batch)`` (a pure function of the weights and the batch) run it once
+  through ``torch.func.vmap`` over the seed axis, and ``record_step(loss, batch)`` per seed for the metrics:
+  the same arithmetic in batched ops (equal to the separate runs to float rounding). Every other method runs
+  each member's own ``training_step`` in turn and sums the losses: the gradient of the sum on row s is
+  member s's own gradient, bit for bit the separate run's.
+* **Data.** Member s's DataModule draws its batches as it would alone, from (seed s, index)
+  (:class:`~featlearn.datamodules.seeds.SeedStackDataModule`).
+* **Logs.** One TensorBoard run per seed, ``<log_dir>/seed_<s>``: its scalars, figures and HPARAMS results
+  (the curves of all seeds overlay in one chart); heat maps are drawn for the first seed.
+* **Divergence.** Each seed is judged alone (:mod:`featlearn.lightning_modules.seed_guard`): a seed that
+  diverges stops alone, keeps its weights from before the damage in ``seed_<s>/before_divergence.ckpt``,
+  and the others go on; the run fails only when every seed has.
+* **Checkpoints.** The run's own checkpoints hold every seed (resume with the same ``--seeds``); at the end
+  each seed's final state is written to ``seed_<s>/last.ckpt``, a checkpoint of the method itself
+  (``lightning validate --config CONFIG --ckpt_path .../seed_3/last.ckpt``).
+
+Example:
+    >>> from featlearn.datamodules.two_feature_patches import TwoFeaturePatchDataModule
+    >>> from featlearn.lightning_modules.noncontrastive import NonContrastiveModule
+    >>> members = [NonContrastiveModule(gradient="population").attach(TwoFeaturePatchDataModule(seed=s, dim=8))
+    ...            for s in (0, 1)]
+    >>> stack = SeedStack(members, seeds=[0, 1])
+    >>> stack.stacked[0].shape, members[1].w.shape    # W of both seeds in one leaf; member 1 reads row 1
+    (torch.Size([2, 2, 8]), torch.Size([2, 8]))
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import weakref
+
+import lightning as L
+import torch
+from torchmetrics import Metric
+
+from featlearn.errors import ConfigError
+from featlearn.lightning_modules.base import FeatureLearningModule
+from featlearn.lightning_modules.seed_guard import SeedGuard
+from featlearn.metrics.figures import close_seed_writers, seed_writer, write_hparams
+
+
+class SeedStack(L.LightningModule):
+    """S members (built, one per seed, of one method) trained as one module; see the module docstring."""
+
+    judges_seeds = True
+    """The CLI's :class:`~featlearn.callbacks.DivergenceGuard` stands aside: :attr:`guard` judges each seed."""
+
+    def __init__(self, members: list[FeatureLearningModule], seeds: list[int]):
+        super().__init__()
+        if not members or len(members) != len(seeds) or len(set(seeds)) != len(seeds):
+            raise ConfigError("seeds", "a non-empty list of distinct seeds, one per member", seeds)
+        if len({type(m) for m in members}) != 1:
+            raise ConfigError("seeds", "members of one method", [type(m).__name__ for m in members])
+        self.seeds = [int(s) for s in seeds]
+        self.members = torch.nn.ModuleList(members)
+        first = members[0]
+        self.names = [name for name, _ in first.named_parameters()]
+        self.stacked = torch.nn.ParameterList()
+        for name in self.names:
+            rows = [m.get_parameter(name) for m in members]
+            if len({tuple(r.shape) for r in rows}) != 1:
+                raise ConfigError("seeds", f"seeds whose '{name}' has one shape (the data's sizes depend on the "
+                                           "seed)", {s: tuple(r.shape) for s, r in zip(seeds, rows)})
+            leaf = torch.nn.Parameter(torch.stack([r.detach() for r in rows]), requires_grad=rows[0].requires_grad)
+            hooks = [list((r._backward_hooks or {}).values()) for r in rows]
+            if any(hooks):  # a method's gradient hook (a frozen diagonal) acts on its own row
+                leaf.register_hook(functools.partial(_per_row_hooks, hooks))
+            self.stacked.append(leaf)
+        for s, member in enumerate(members):
+            for name in self.names:
+                owner, leaf = _owner(member, name)
+                del owner._parameters[leaf]
+            object.__setattr__(member, "_seed_owner", weakref.ref(self))
+            object.__setattr__(member, "_seed_row", s)
+        self.alive = [True] * len(members)
+        self.logged: list[dict[str, float]] = [{} for _ in members]  # each member's last value of each name
+        self.batched = first.seeds_vmap
+        self.samples_needed = first.samples_needed
+        self.guard = SeedGuard(self)
+        self._bind()
+
+    # --- the members' views of the stacked weights ---------------------------------------------
+    def _bind(self) -> None:
+        """Point every member at its rows (detached views: reads see the current weights, in-place writes
+        under ``no_grad`` reach the stack). Again after every device move, which replaces the storage."""
+        for s, member in enumerate(self.members):
+            for name, leaf in zip(self.names, self.stacked):
+                owner, attr = _owner(member, name)
+                setattr(owner, attr, leaf.detach()[s])
+
+    def _apply(self, fn, *args, **kwargs):
+        super()._apply(fn, *args, **kwargs)
+        if hasattr(self, "names"):
+            self._bind()
+        return self
+
+    @contextlib.contextmanager
+    def _rows_with_graph(self, s: int):
+        """Member ``s`` reads rows of the leaves themselves, so its loss's gradient reaches them."""
+        member = self.members[s]
+        try:
+            for name, leaf in zip(self.names, self.stacked):
+                owner, attr = _owner(member, name)
+                setattr(owner, attr, leaf[s])
+            yield member
+        finally:
+            self._bind()
+
+    @property
+    def live(self) -> list[int]:
+        return [s for s, ok in enumerate(self.alive) if ok]
+
+    # --- the step ------------------------------------------------------------------------------
+    def training_step(self, batch, batch_idx):
+        batches = batch["seeds"]
+        live = self.live
+        if self.batched:
+            losses = self._batched_losses(batches)
+            outs = []
+            for s in live:  # metrics and their logs, per seed, on detached rows
+                outs.append(self.members[s].record_step(losses[s], batches[s]))
+            total = sum(outs)
+            self.guard.record(losses.detach())
+        else:
+            outs = {}
+            for s in live:
+                with self._rows_with_graph(s) as member:
+                    out = member.training_step(batches[s], batch_idx)
+                outs[s] = out["loss"] if isinstance(out, dict) else out
+            total = sum(outs.values())
+            self.guard.record(torch.stack([outs[s].detach().reshape(()) if s in outs else
+                                           torch.zeros((), dtype=total.dtype, device=total.device)
+                                           for s in range(len(self.members))]))
+        return total
+
+    def _batched_losses(self, batches: list[dict]) -> torch.Tensor:
+        first = self.members[0]
+        data = {k: torch.stack([b[k] for b in batches]) for k, v in batches[0].items() if torch.is_tensor(v)}
+        buffers = {n: torch.stack([m.get_buffer(n) for m in self.members]) for n, _ in first.named_buffers()}
+
+        def one(weights, bufs, sample):
+            with _swapped(first, weights, bufs):
+                return first.seed_loss(sample)
+
+        return torch.func.vmap(one)(dict(zip(self.names, self.stacked)), buffers, data)
+
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:
+        self.members[0].prepare_step(optimizer)  # a schedule's step sizes: the same for every seed
+        optimizer.step(closure=optimizer_closure)
+        with torch.no_grad():
+            self.guard.hold_stopped_rows()
+            step = self.global_step + 1
+            for s in self.live:
+                member = self.members[s]
+                member.finish_step(step)
+                if self.trainer.should_stop:  # a member's own stop (e.g. MRP after capture) ends its seed only
+                    self.trainer.should_stop = False
+                    self.guard.finish(s)
+            if not any(self.alive):
+                self.trainer.should_stop = True
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        self.guard.after_step(self.global_step)
+
+    def validation_step(self, batch, batch_idx):
+        for s, member in enumerate(self.members):
+            member.validation_step(batch["seeds"][s], batch_idx)
+
+    def test_step(self, batch, batch_idx):
+        for s, member in enumerate(self.members):
+            member.test_step(batch["seeds"][s], batch_idx)
+
+    def configure_optimizers(self):
+        """The method's optimizer, built by the first member while it holds the stacked leaves."""
+        first = self.members[0]
+        try:
+            for name, leaf in zip(self.names, self.stacked):
+                setattr(*_owner(first, name), leaf)  # registers it as the member's parameter
+            return first.configure_optimizers()
+        finally:
+            for name in self.names:
+                owner, attr = _owner(first, name)
+                del owner._parameters[attr]
+            self._bind()
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        FeatureLearningModule.on_load_checkpoint(self, checkpoint)
+        self.guard.load_state_dict(checkpoint.get("seed_guard") or {})
+        for member, own in zip(self.members, checkpoint.get("seed_members") or []):
+            member.on_load_checkpoint({**own, "optimizer_states": []})
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        """The guard's verdicts and what each member adds to a checkpoint of its own (stage clocks...)."""
+        checkpoint["seed_guard"] = self.guard.state_dict()
+        checkpoint["seed_members"] = []
+        for member in self.members:
+            own: dict = {}
+            member.on_save_checkpoint(own)
+            checkpoint["seed_members"].append(own)
+
+    # --- per-seed logs -------------------------------------------------------------------------
+    def member_log(self, member, name: str, value) -> None:
+        """A member's ``self.log``: written to its seed's TensorBoard run when Lightning writes logs."""
+        if isinstance(value, Metric):  # the evaluation splits arrive whole: one batch, one value
+            value, _ = value.compute(), value.reset()
+        value = float(value.detach()) if torch.is_tensor(value) else float(value)
+        self.logged[member._seed_row][name] = value
+        writer = seed_writer(self._trainer, self.seeds[member._seed_row])
+        trainer = self._trainer
+        if writer is None or (trainer.training and (trainer.global_step + 1) % max(1, trainer.log_every_n_steps)):
+            return  # no TensorBoard, or a step Lightning would not write either
+        writer.add_scalar(name, value, self.global_step)
+
+    def member_writer(self, member):
+        return seed_writer(self._trainer, self.seeds[member._seed_row])
+
+    def member_results(self, member, params: dict, results: dict) -> None:
+        """A member's results (``hp/*``) and hyperparameters, with its seed, in its seed's HPARAMS session."""
+        writer = self.member_writer(member)
+        if writer is not None:
+            for name, value in results.items():
+                writer.add_scalar(name, value, self.global_step)
+            write_hparams(writer, {**params, "seed": self.seeds[member._seed_row]}, results, self.global_step)
+
+    def heatmaps(self) -> dict[str, torch.Tensor]:
+        """The first seed's (in the run's own folder): one frame per seed would cost S figures per frame."""
+        return self.members[0].heatmaps()
+
+    @property
+    def heatmap_axes(self) -> tuple[str, str]:
+        return self.members[0].heatmap_axes
+
+    @property
+    def heatmap_scale(self) -> float:
+        return self.members[0].heatmap_scale
+
+    def setup(self, stage: str) -> None:
+        for member in self.members:  # Lightning attaches the stack only
+            member.trainer = self.trainer
+
+    def on_train_start(self) -> None:
+        self.guard.start()
+        for member in self.members:
+            member.on_train_start()
+
+    def on_train_end(self) -> None:
+        for s, member in enumerate(self.members):
+            member.on_train_end()
+        self.guard.write_final()
+
+    def on_fit_start(self) -> None:
+        for member in self.members:
+            member.on_fit_start()
+
+    def on_fit_end(self) -> None:
+        for member in self.members:
+            member.on_fit_end()
+        close_seed_writers(self.trainer)
+
+    def on_validation_epoch_end(self) -> None:
+        for member in self.members:
+            member.on_validation_epoch_end()
+
+    def on_test_epoch_end(self) -> None:
+        for member in self.members:
+            member.on_test_epoch_end()
+
+    def final_metrics(self) -> dict[str, float]:
+        """The first live seed's results (each seed's are in its own run; :meth:`seed_results` has them all)."""
+        return self.members[self.live[0] if self.live else 0].final_metrics()
+
+    def seed_results(self) -> dict[int, dict[str, float]]:
+        """Seed -> its ``final_metrics()`` (diverged seeds: from their state before the damage)."""
+        return {seed: member.final_metrics() for seed, member in zip(self.seeds, self.members)}
+
+
+def _owner(module: torch.nn.Module, name: str) -> tuple[torch.nn.Module, str]:
+    """The submodule holding the dotted parameter ``name``, and its attribute name there."""
+    path, _, attr = name.rpartition(".")
+    return (module.get_submodule(path) if path else module), attr
+
+
+def _per_row_hooks(hooks: list[list], grad: torch.Tensor) -> torch.Tensor:
+    rows = []
+    for s, row_hooks in enumerate(hooks):
+        g = grad[s]
+        for hook in row_hooks:
+            out = hook(g)
+            g = g if out is None else out
+        rows.append(g)
+    return torch.stack(rows)
+
+
+@contextlib.contextmanager
+def _swapped(module: torch.nn.Module, weights: dict, buffers: dict):
+    """``module`` computes with these weights (plain attributes) and buffers for the duration."""
+    saved_w = {n: getattr(*_owner(module, n)) for n in weights}
+    saved_b = {n: module.get_buffer(n) for n in buffers}
+    try:
+        for n, t in weights.items():
+            setattr(*_owner(module, n), t)
+        for n, t in buffers.items():
+            owner, attr = _owner(module, n)
+            owner._buffers[attr] = t
+        yield
+    finally:
+        for n, t in saved_w.items():
+            setattr(*_owner(module, n), t)
+        for n, t in saved_b.items():
+            owner, attr = _owner(module, n)
+            owner._buffers[attr] = t
