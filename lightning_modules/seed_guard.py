@@ -18,7 +18,6 @@ import weakref
 from collections import deque
 from pathlib import Path
 
-import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
@@ -147,9 +146,11 @@ class SeedGuard:
         self._restore(s)
         path = self.write(s, "before_divergence.ckpt")
         fields = " or ".join(f"--model.init_args.{f}" for f in stack.members[s].step_size_fields)
-        rank_zero_warn(f"seed {stack.seeds[s]} diverged ({reason}) and stops here; the other seeds go on. Its state "
-                       f"before the damage is {path or 'kept in memory (no logger)'}: rerun that seed alone with a "
-                       f"smaller {fields} (--seed_everything {stack.seeds[s]} --ckpt_path {path or '...'}).")
+        seed = stack.seeds[s]
+        rank_zero_warn(f"seed {seed} diverged ({reason}) and stops here; the other seeds go on. Its state before the "
+                       f"damage is {path or 'kept in memory only (no logger)'}: resume that seed alone with a smaller "
+                       f"{fields}: lightning fit --config CONFIG --seed_everything {seed} --data.init_args.seed {seed} "
+                       f"--ckpt_path {path or '...'} (and --model.init_args.seed {seed} where the model takes one).")
 
     def finish(self, s: int) -> None:
         """Seed row ``s`` asked to stop (its method's own stopping rule): hold it where it is."""
@@ -166,21 +167,31 @@ class SeedGuard:
                     leaf.data[s] = self.snapshots[s][name]
 
     # --- files -----------------------------------------------------------------------------
-    def write(self, s: int, filename: str, state: dict | None = None) -> str | None:
-        """Seed row ``s`` as a checkpoint of its method in ``<log_dir>/seed_<seed>/filename`` (rank 0)."""
+    def write(self, s: int, filename: str, state: dict | None = None, fresh_optimizer: bool = True) -> str | None:
+        """Seed row ``s`` as a training checkpoint of its method alone, ``<log_dir>/seed_<seed>/filename`` (rank
+        0): ``lightning fit --ckpt_path`` resumes it as a run of that seed (the optimizer's state is the seed's
+        rows, or fresh with ``fresh_optimizer``: after a divergence it is not worth keeping)."""
         stack = self.stack
         trainer = stack._trainer
         if trainer is None or trainer.global_rank != 0 or not trainer.log_dir:
             return None
-        member = stack.members[s]
+        member, data = stack.members[s], trainer.datamodule
         folder = Path(trainer.log_dir) / f"seed_{stack.seeds[s]}"
         folder.mkdir(parents=True, exist_ok=True)
+        ckpt = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        for key in ("seed_guard", "seed_members", type(data).__qualname__):
+            ckpt.pop(key, None)
+        member.on_save_checkpoint(ckpt)
+        member_data = data.members[s]
+        ckpt[type(member_data).__qualname__] = member_data.state_dict()
         state = self.snapshots[s] if state is None else state
+        ckpt["state_dict"] = {k: v.detach().cpu().clone() for k, v in state.items()}
         kind = type(member)
-        hparams = {**dict(member.hparams_initial), "_class_path": f"{kind.__module__}.{kind.__qualname__}"}
-        torch.save({"state_dict": {k: v.cpu() for k, v in state.items()}, "hyper_parameters": hparams,
-                    "global_step": trainer.global_step, "seed": stack.seeds[s],
-                    "pytorch-lightning_version": L.__version__}, folder / filename)
+        ckpt["hyper_parameters"] = {**dict(member.hparams_initial), "_class_path": f"{kind.__module__}.{kind.__qualname__}"}
+        ckpt["optimizer_states"] = [_rows(o, s, len(stack.members), fresh_optimizer)
+                                    for o in ckpt.get("optimizer_states", [])]
+        ckpt["seed"] = stack.seeds[s]
+        torch.save(ckpt, folder / filename)
         return str(folder / filename)
 
     def write_final(self) -> None:
@@ -188,7 +199,7 @@ class SeedGuard:
         self.check()
         for s in range(len(self.stack.members)):
             if not self.stopped.get(s, "").startswith("diverged"):
-                self.write(s, "last.ckpt", self._snapshot(s))
+                self.write(s, "last.ckpt", self._snapshot(s), fresh_optimizer=False)
 
     def state_dict(self) -> dict:
         return {"alive": list(self.stack.alive), "stopped": dict(self.stopped), "snapshots": self.snapshots}
@@ -199,3 +210,16 @@ class SeedGuard:
         self.stack.alive[:] = state["alive"]
         self.stopped = dict(state["stopped"])
         self.snapshots = list(state["snapshots"])
+
+
+def _rows(optimizer_state: dict, s: int, size: int, fresh: bool) -> dict:
+    """One seed's optimizer state: row ``s`` of every per-parameter tensor of the stacked optimizer (the step
+    counters are shared); no state at all with ``fresh``."""
+    groups = optimizer_state["param_groups"]
+    if fresh:
+        return {"state": {}, "param_groups": groups}
+    rows = {}
+    for index, entries in optimizer_state["state"].items():
+        rows[index] = {k: v[s].clone() if torch.is_tensor(v) and v.dim() >= 1 and v.shape[0] == size else v
+                       for k, v in entries.items()}
+    return {"state": rows, "param_groups": groups}

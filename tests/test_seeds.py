@@ -1,0 +1,116 @@
+"""Several seeds in one run (``lightning fit --seeds``): each seed ends where its own run ends (bit for bit where
+its members run their own steps, to float rounding where the loss is vmapped), a seed that diverges stops alone
+and keeps its state from before, each seed gets its own TensorBoard run and checkpoint, bad values are refused."""
+import inspect
+from unittest import mock
+
+import lightning as L
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from test_tensorboard_server import METHODS
+
+from featlearn.cli import main, make_cli
+
+FAST = ("contrastive", "noncontrastive_population")   # one of each path: members' own steps, vmapped loss
+SEEDS = [3, 5]
+
+
+def _args(key: str, out, steps: int = 4) -> list[str]:
+    config, tiny, *_ = METHODS[key]
+    return ["fit", "--config", f"configs/{config}", *tiny, "--trainer.max_steps", str(steps),
+            "--trainer.log_every_n_steps", "2", "--trainer.logger.init_args.save_dir", str(out),
+            "--trainer.enable_progress_bar", "false"]
+
+
+def _alone(key: str, out, seed: int, steps: int = 4):
+    """The method fitted alone at ``seed``, as ``--seeds`` builds each of its seeds."""
+    args = [*_args(key, out, steps), "--seed_everything", str(seed), "--data.init_args.seed", str(seed)]
+    return make_cli(args + _model_seed(key, seed)).model
+
+
+def _model_seed(key: str, seed: int) -> list[str]:
+    probe = make_cli(["--config", f"configs/{METHODS[key][0]}", *METHODS[key][1]], run=False)
+    takes_seed = "seed" in inspect.signature(type(probe.model).__init__).parameters
+    return ["--model.init_args.seed", str(seed)] if takes_seed else []
+
+
+@pytest.mark.parametrize("key", [pytest.param(k, marks=() if k in FAST else pytest.mark.slow) for k in METHODS])
+def test_each_seed_ends_where_its_own_run_ends(key, tmp_path):
+    stack = make_cli([*_args(key, tmp_path), "--seeds", str(SEEDS)]).model
+    for row, seed in enumerate(SEEDS):
+        one = _alone(key, tmp_path, seed)
+        for name, leaf in zip(stack.names, stack.stacked):
+            mine, theirs = leaf.detach()[row], one.get_parameter(name).detach()
+            if stack.batched:  # the same arithmetic in batched ops
+                torch.testing.assert_close(mine, theirs, rtol=1e-10, atol=1e-12)
+            else:
+                assert torch.equal(mine, theirs), (key, seed, name, float((mine - theirs).abs().max()))
+        assert stack.members[row].final_metrics().keys() == one.final_metrics().keys()
+        if not stack.batched:
+            assert stack.members[row].final_metrics() == one.final_metrics()
+
+
+class _Poison(L.Callback):
+    """Turns seed row ``row``'s weights to NaN after step ``at``: that seed diverges, the others must not notice."""
+
+    def __init__(self, row: int, at: int):
+        self.row, self.at = row, at
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.at:
+            with torch.no_grad():
+                pl_module.stacked[0][self.row] = float("nan")
+
+
+def test_a_diverged_seed_stops_alone_and_keeps_its_state(tmp_path):
+    seeds, steps = [0, 1, 2], 8
+    args = _args("noncontrastive_population", tmp_path, steps)
+    cli = _fit_with(args + ["--seeds", str(seeds)], _Poison(row=1, at=5))
+    stack, log_dir = cli.model, cli.trainer.log_dir
+    assert stack.alive == [True, False, True]
+    assert stack.guard.stopped[1] == "diverged: its weights are not finite at step 5"
+    w1 = stack.stacked[0].detach()[1]
+    assert torch.isfinite(w1).all()
+    saved = torch.load(f"{log_dir}/seed_1/before_divergence.ckpt", weights_only=True)
+    assert torch.equal(saved["state_dict"]["w"], w1)     # held at the state it had before the damage
+    assert saved["global_step"] <= 6
+    for row, seed in ((0, 0), (2, 2)):                    # the others went on, as if alone
+        one = _alone("noncontrastive_population", tmp_path, seed, steps)
+        torch.testing.assert_close(stack.stacked[0].detach()[row], one.w.detach(), rtol=1e-10, atol=1e-12)
+    events = EventAccumulator(f"{log_dir}/seed_2", size_guidance={"scalars": 0}).Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == [1, 3, 5, 7]
+    assert "hp/final_loss" in events.Tags()["scalars"]
+    assert not (tmp_path / "seed_1" / "last.ckpt").exists()
+    # a seed's own checkpoint is a checkpoint of the method: validate reads it
+    main(["validate", "--config", "configs/noncontrastive/with_head_population.yaml", *METHODS[
+        "noncontrastive_population"][1], "--trainer.logger", "false", "--data.init_args.seed", "2",
+          "--ckpt_path", f"{log_dir}/seed_2/last.ckpt"])
+    # and fit resumes the diverged seed alone from its checkpoint, with a smaller step size
+    resumed = make_cli([*_args("noncontrastive_population", tmp_path, steps + 2), "--seed_everything", "1",
+                        "--data.init_args.seed", "1", "--model.init_args.lr", "0.01",
+                        "--ckpt_path", f"{log_dir}/seed_1/before_divergence.ckpt"])
+    assert resumed.trainer.global_step == steps + 2 and torch.isfinite(resumed.model.w).all()
+
+
+def _fit_with(args: list[str], callback: L.Callback):
+    """``make_cli(args)`` with one more callback in its Trainer."""
+    fit = L.Trainer.fit
+
+    def with_callback(trainer, *a, **k):
+        trainer.callbacks.append(callback)
+        return fit(trainer, *a, **k)
+
+    with mock.patch.object(L.Trainer, "fit", with_callback):
+        return make_cli(args)
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--seeds", "[1, 1]"], "seeds: must be distinct seeds"),
+    (["--seeds", "[1, x]"], "seeds"),
+])
+def test_bad_seeds_are_refused(argv, words, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main([*_args("noncontrastive_population", tmp_path), *argv])
+    assert exit_.value.code == 2
+    assert words in capsys.readouterr().err
