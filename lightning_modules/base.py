@@ -61,6 +61,9 @@ class FeatureLearningModule(L.LightningModule):
     """Whether several seeds in one run (:mod:`featlearn.lightning_modules.seeds`) compute this method's loss in
     one ``torch.func.vmap`` call of :meth:`seed_loss` (then ``training_step`` is ``record_step(seed_loss(batch),
     batch)``); otherwise each seed runs its own ``training_step`` in turn."""
+    finishes_seeds: bool = False
+    """Whether :meth:`finish_seeds` does the weight-only part of :meth:`finish_step` for every seed of a stack at
+    once (a projection with a leading seed axis); ``finish_step`` then leaves it out when in a stack."""
     step_size_fields: tuple[str, ...] = ("lr",)
     """The ``__init__`` arguments that set the step size, which a divergence message tells the user to lower."""
 
@@ -95,6 +98,11 @@ class FeatureLearningModule(L.LightningModule):
 
     def prepare_step(self, optimizer) -> None:
         """Set what the coming step needs before its forward runs (a schedule's step sizes in ``optimizer``)."""
+
+    def finish_seeds(self, weights: dict[str, torch.Tensor], step: int) -> None:
+        """The weight-only part of :meth:`finish_step` on ``weights`` (name -> tensor, with a leading seed axis
+        in a stack); see :attr:`finishes_seeds`."""
+        raise NotImplementedError
 
     def logged(self, name: str):
         """The last value logged as ``name`` (this seed's, for one seed of several in one run), else None."""

@@ -85,7 +85,6 @@ class SeedStack(L.LightningModule):
             object.__setattr__(member, "_seed_row", s)
         self.alive = [True] * len(members)
         self.logged: list[dict[str, float]] = [{} for _ in members]  # each member's last value of each name
-        self.batched = first.seeds_vmap
         self.samples_needed = first.samples_needed
         self.guard = SeedGuard(self)
         self._bind()
@@ -116,6 +115,12 @@ class SeedStack(L.LightningModule):
             yield member
         finally:
             self._bind()
+
+    @property
+    def batched(self) -> bool:
+        """Whether the loss runs once for all seeds through vmap (the method's ``seeds_vmap``, which may depend on
+        the run: several processes, a mode)."""
+        return self.members[0].seeds_vmap
 
     @property
     def live(self) -> list[int]:
@@ -158,16 +163,19 @@ class SeedStack(L.LightningModule):
     def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:
         self.members[0].prepare_step(optimizer)  # a schedule's step sizes: the same for every seed
         optimizer.step(closure=optimizer_closure)
+        step = self.global_step + 1
         with torch.no_grad():
+            first = self.members[0]
+            if first.finishes_seeds:  # e.g. one batched projection of every seed's weights
+                first.finish_seeds({name: leaf.detach() for name, leaf in zip(self.names, self.stacked)}, step)
             self.guard.hold_stopped_rows()
-            step = self.global_step + 1
             for s in self.live:
                 member = self.members[s]
                 member.finish_step(step)
-                if self.trainer.should_stop:  # a member's own stop (e.g. MRP after capture) ends its seed only
+                if self._trainer is not None and self._trainer.should_stop:  # a member's own stop (e.g. MRP after capture) ends its seed only
                     self.trainer.should_stop = False
                     self.guard.finish(s)
-            if not any(self.alive):
+            if not any(self.alive) and self._trainer is not None:
                 self.trainer.should_stop = True
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:

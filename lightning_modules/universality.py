@@ -183,13 +183,25 @@ class LinearContrastive(FeatureLearningModule):
         """``phi(x) = W x`` for inputs ``[.., d]``."""
         return x @ self.w.t()
 
-    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+    @property
+    def seeds_vmap(self) -> bool:
+        """On one process the loss is plain torch ops (several processes gather the batch, which vmap cannot)."""
+        return not (self._trainer is not None and self.trainer.world_size > 1)
+
+    def seed_loss(self, batch: dict) -> torch.Tensor:
+        """The step's contrastive loss, a pure function of W and the batch (vmapped over seeds in a stack)."""
         f, f_pos = self(batch["x"]), self(batch["x_pos"])
         if self.hparams.loss == "pca":  # per-pair: no other sample enters
-            loss = contrastive_loss(f, f_pos, "pca")
-        else:  # the other samples of the GLOBAL batch are the negatives (rank-major = one process's order)
-            loss = contrastive_loss(all_gather_cat_with_grad(f), all_gather_cat_with_grad(f_pos), self.hparams.loss,
-                                    self.hparams.temperature)
+            return contrastive_loss(f, f_pos, "pca")
+        # the other samples of the GLOBAL batch are the negatives (rank-major = one process's order)
+        return contrastive_loss(all_gather_cat_with_grad(f), all_gather_cat_with_grad(f_pos), self.hparams.loss,
+                                self.hparams.temperature)
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        return self.record_step(self.seed_loss(batch), batch)
+
+    def record_step(self, loss: torch.Tensor, batch: dict) -> torch.Tensor:
+        """The step's logs and the running loss means of :meth:`learning_note`; returns ``loss``."""
         if self._trainer is not None and self.theory_due():
             self.log("train/loss", loss, sync_dist=True)
         # a running mean on the device (no host sync) for the end-of-run check of on_train_end
@@ -199,14 +211,26 @@ class LinearContrastive(FeatureLearningModule):
         self._loss_recent = now if recent is None else 0.9 * recent + 0.1 * now
         return loss
 
+    @property
+    def finishes_seeds(self) -> bool:
+        """The projection onto the balls is the same for every seed; ``cr`` mode's trust region is each seed's own."""
+        return self.hparams.mode != "cr"
+
+    def finish_seeds(self, weights: dict[str, torch.Tensor], step: int) -> None:
+        """The projection of :meth:`finish_step` on ``weights["w"]``, one seed's ``[k, d]`` or, outside ``cr``
+        mode, every seed's ``[S, k, d]`` at once (one batched SVD)."""
+        w = weights["w"]
+        if self.hparams.mode == "cr":
+            w.copy_(project_trust_region(w, self.cr.reference()["w"], self.hparams.gamma, 1.0,
+                                         radius2=float(self.r) if self.hparams.cr_frobenius_cap else None))
+        else:
+            w.copy_(project_spectral_frobenius(w, float(self.r), 1.0))
+
     def finish_step(self, step: int) -> None:
         """The projection, part of every step: onto ``{||W||_2 <= 1, ||W||_F <= sqrt(r)}``, or in ``cr`` mode onto
         the spectral ball intersected with the trust region around ``W*`` (exactly, by Dykstra's algorithm)."""
-        if self.hparams.mode == "cr":
-            self.w.copy_(project_trust_region(self.w, self.cr.reference()["w"], self.hparams.gamma, 1.0,
-                                              radius2=float(self.r) if self.hparams.cr_frobenius_cap else None))
-        else:
-            self.w.copy_(project_spectral_frobenius(self.w, float(self.r), 1.0))
+        if self.seed_stack() is None or not self.finishes_seeds:  # else the stack has projected every seed's W
+            self.finish_seeds({"w": self.w}, step)
         if self._trainer is not None and self.theory_due():
             self.log_dict({f"{'theory' if k.startswith('c_') else 'train'}/{k}": v
                            for k, v in self.theory_metrics().items()}, on_step=True, on_epoch=False)

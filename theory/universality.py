@@ -75,19 +75,20 @@ def _shrink_multiplier(sigma: torch.Tensor, radius2: float, spec: float) -> torc
     capped. Sorting the singular values gives every piece at once; the root lies on the one piece whose
     capped set is consistent with its own ``t``. No SVD is repeated: only the ``min(k, d)`` values are searched.
     """
-    s = torch.sort(sigma.double(), descending=True).values
-    n = s.numel()
-    if float((s.clamp(max=spec) ** 2).sum()) <= radius2:
-        return torch.ones((), dtype=torch.float64, device=sigma.device)
-    tail = torch.flip(torch.cumsum(torch.flip(s ** 2, (0,)), 0), (0,))  # tail[c] = sum_{i >= c} s_i^2
+    s = torch.sort(sigma.double(), descending=True).values          # [..., n]: a batch of matrices at once
+    n = s.shape[-1]
+    inside = (s.clamp(max=spec) ** 2).sum(-1) <= radius2
+    tail = torch.flip(torch.cumsum(torch.flip(s ** 2, (-1,)), -1), (-1,))  # tail[c] = sum_{i >= c} s_i^2
     c = torch.arange(n, device=s.device, dtype=torch.float64)
     room = radius2 - c * spec ** 2  # what the uncapped values may hold when the c largest are capped
     t = torch.sqrt(tail / room.clamp_min(1e-300))
-    upper = torch.cat([torch.full((1,), math.inf, dtype=s.dtype, device=s.device), s[:-1] / spec])  # s_{c-1}/spec
+    first = torch.full((*s.shape[:-1], 1), math.inf, dtype=s.dtype, device=s.device)
+    upper = torch.cat([first, s[..., :-1] / spec], -1)  # s_{c-1}/spec
     valid = (room > 0) & (t >= s / spec) & (t <= upper * (1 + 1e-12)) & (t >= 1)
-    if not bool(valid.any()):  # rounding at a breakpoint: fall back on the largest consistent candidate
-        valid = (room > 0) & (t >= 1)
-    return t[valid][0]
+    # rounding at a breakpoint: fall back on the largest consistent candidate
+    valid = torch.where(valid.any(-1, keepdim=True), valid, (room > 0) & (t >= 1))
+    chosen = t.gather(-1, valid.to(torch.int8).argmax(-1, keepdim=True)).squeeze(-1)  # the first valid piece
+    return torch.where(inside, torch.ones_like(chosen), chosen)
 
 
 def project_spectral_frobenius(W: torch.Tensor, radius2: float, spec: float = 1.0,
@@ -95,7 +96,8 @@ def project_spectral_frobenius(W: torch.Tensor, radius2: float, spec: float = 1.
     """The Euclidean projection of ``W`` onto ``{||W||_2 <= spec, ||W||_F^2 <= radius2}`` (``frobenius=False``:
     onto the spectral ball only).
 
-    One SVD ``W = U diag(sigma) V^T``; the result is ``U diag(min(spec, sigma / (1 + tau))) V^T`` with the
+    ``W`` may be a batch ``[..., k, d]`` (several seeds' weights), projected each on its own. One SVD ``W = U
+    diag(sigma) V^T``; the result is ``U diag(min(spec, sigma / (1 + tau))) V^T`` with the
     smallest ``tau >= 0`` meeting the Frobenius bound (the KKT form: both sets are unitarily invariant, so the
     projection acts on the singular values, which it clips and shrinks). Computed in float64, returned in
     ``W``'s dtype.
@@ -109,9 +111,9 @@ def project_spectral_frobenius(W: torch.Tensor, radius2: float, spec: float = 1.
         raise ConfigError("radius2" if radius2 <= 0 else "spec", "> 0", radius2 if radius2 <= 0 else spec)
     w = W.double()
     U, sigma, Vh = torch.linalg.svd(w, full_matrices=False)
-    t = _shrink_multiplier(sigma, radius2, spec) if frobenius else torch.ones((), dtype=torch.float64)
-    p = (sigma / t).clamp(max=spec)
-    return ((U * p) @ Vh).to(W.dtype)
+    t = _shrink_multiplier(sigma, radius2, spec) if frobenius else torch.ones(sigma.shape[:-1], dtype=torch.float64)
+    p = (sigma / t.unsqueeze(-1)).clamp(max=spec)
+    return ((U * p.unsqueeze(-2)) @ Vh).to(W.dtype)
 
 
 def project_bisection(W: torch.Tensor, radius2: float, spec: float = 1.0, iters: int = 200) -> torch.Tensor:

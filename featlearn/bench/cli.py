@@ -68,6 +68,9 @@ def parser() -> argparse.ArgumentParser:
         p.add_argument("--out", type=Path, default=Path("benchmarks/results/bench"), help="folder of the tables")
         p.add_argument("--no-compile", action="store_true",
                        help="leave out the torch.compile variants (each compile takes ~10-40 s)")
+        if name == "step":
+            p.add_argument("--seeds", nargs="+", type=_positive, default=[], metavar="S",
+                           help="also time S seeds in one run (lightning fit --seeds) for each S, per seed-step")
         p.add_argument("--ceilings", type=Path, default=None,
                        help="ceilings.csv of `featlearn gpu check`: rates as shares of the measured ceilings")
     plot = sub.add_parser("plot", help="the PNG of tables written elsewhere (a GPU's $OUT)",
@@ -105,7 +108,8 @@ def run(argv: list[str] | None = None, extra_cases: list | None = None) -> tuple
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    cases = (ops.cases if args.what == "op" else steps.cases)(names, args.size, device) + (extra_cases or [])
+    cases = (ops.cases(names, args.size, device) if args.what == "op" else
+             steps.cases(names, args.size, device, tuple(args.seeds))) + (extra_cases or [])
     if args.no_compile:
         for case in cases:
             case.variants = [v for v in case.variants if harness.COMPILED not in v.name]

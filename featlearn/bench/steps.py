@@ -53,10 +53,12 @@ from featlearn.bench import step_methods
 from featlearn.bench.step_methods import METHODS, Method, method
 from featlearn.callbacks import DivergenceGuard
 from featlearn.datamodules.multiview import MultiViewDataModule
+from featlearn.datamodules.seeds import SeedStackDataModule
 from featlearn.datamodules.sparse_coding import SparseCodingDataModule
 from featlearn.experiments.study import Run
 from featlearn.lightning_modules.contrastive import ContrastiveModule
 from featlearn.lightning_modules.mrp import TeacherStudentMRP
+from featlearn.lightning_modules.seeds import SeedStack
 
 __all__ = ["METHODS", "SIZES", "GPU_METHODS", "cases", "step_case"]
 FEATLEARN = "featlearn"
@@ -128,11 +130,26 @@ def module_step(model, batch) -> None:
         model.optimizer_step(0, 0, optimizer, closure)
 
 
-def featlearn_one_step(spec: Method, seed: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-    """One step through the module's own ``optimizer_step`` hook (the one the Trainer calls)."""
-    model, dm = spec.build(seed, dtype, device)
-    module_step(model, spec.first_batch(dm, device, dtype))
-    return tuple(getattr(model, k).detach() for k in spec.trained)
+def featlearn_one_step(spec: Method, seed: int, device: torch.device, dtype: torch.dtype,
+                       seeds: int = 1) -> tuple[torch.Tensor, ...]:
+    """One step through the module's own ``optimizer_step`` hook (the one the Trainer calls); with ``seeds`` > 1,
+    of a :class:`~featlearn.lightning_modules.seeds.SeedStack` of seeds ``seed, seed + 1, ...``, whose first
+    seed's weights are returned."""
+    if seeds == 1:
+        model, dm = spec.build(seed, dtype, device)
+        module_step(model, spec.first_batch(dm, device, dtype))
+        return tuple(getattr(model, k).detach() for k in spec.trained)
+    stack, data = build_stack(spec, seed, seeds, dtype, device)
+    module_step(stack, {"seeds": [spec.first_batch(dm, device, dtype) for dm in data.members]})
+    return tuple(getattr(stack.members[0], k).detach() for k in spec.trained)
+
+
+def build_stack(spec: Method, seed: int, seeds: int, dtype: torch.dtype, device: torch.device):
+    """The method at seeds ``seed .. seed + seeds - 1`` as one :class:`SeedStack` and its DataModule."""
+    built = [spec.build(seed + i, dtype, device) for i in range(seeds)]
+    numbers = list(range(seed, seed + seeds))
+    return (SeedStack([m for m, _ in built], numbers).to(device),
+            SeedStackDataModule([dm for _, dm in built], numbers))
 
 
 def plain_one_step(spec: Method, seed: int, device: torch.device, dtype: torch.dtype,
@@ -144,25 +161,29 @@ def plain_one_step(spec: Method, seed: int, device: torch.device, dtype: torch.d
 
 
 class _Clock(L.Callback):
-    """Times each featlearn step inside the Trainer and runs one step of every plain loop after it."""
+    """Times each featlearn step inside the Trainer (``variant``: ``featlearn``, or ``featlearn xS`` for S seeds in
+    one run, recorded per seed-step) and runs one step of every plain loop after it."""
 
-    def __init__(self, spec: Method, results: dict[str, Result], device: torch.device, warmup: int):
+    def __init__(self, spec: Method, results: dict[str, Result], device: torch.device, warmup: int,
+                 variant: str = FEATLEARN, seeds: int = 1):
         self.spec, self.results, self.device, self.warmup = spec, results, device, warmup
+        self.variant, self.seeds = variant, seeds
         self.loops: dict[str, PlainLoop] = {}
         self.meter = None
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if not self.loops:  # the plain loops start from the module's initial weights and its first batch
+            module, first = (pl_module, batch) if self.seeds == 1 else (pl_module.members[0], batch["seeds"][0])
             for name in self.results:
-                if name != FEATLEARN:
-                    self.loops[name] = PlainLoop(self.spec, self.spec.state(pl_module), batch, name == COMPILED)
+                if not name.startswith(FEATLEARN):
+                    self.loops[name] = PlainLoop(self.spec, self.spec.state(module), first, name == COMPILED)
         self.meter = Meter(self.device).__enter__()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.meter.__exit__(None, None, None)
         timed = trainer.global_step > self.warmup
-        if timed and FEATLEARN in self.results:
-            self.results[FEATLEARN].record(self.meter.seconds, self.meter.peak_bytes)
+        if timed and self.variant in self.results:
+            self.results[self.variant].record(self.meter.seconds / self.seeds, self.meter.peak_bytes)
         for name, loop in self.loops.items():
             with Meter(self.device) as m:
                 loop()
@@ -186,28 +207,39 @@ def _timer(spec: Method):
                     if i >= warmup:
                         passed[name].record(m.seconds, m.peak_bytes)
             return
-        chatter = logging.getLogger("lightning.pytorch")
-        level = chatter.level
-        chatter.setLevel(logging.WARNING)  # the Trainer's banner (accelerators, tips) between the progress lines
-        try:
-            trainer = L.Trainer(accelerator="gpu" if device.type == "cuda" else "cpu", devices=1,
-                                max_steps=warmup + rounds, max_epochs=-1, logger=False, enable_checkpointing=False,
-                                enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                                limit_val_batches=0, log_every_n_steps=spec.log_every,
-                                callbacks=[DivergenceGuard(), _Clock(spec, passed, device, warmup)])
-            with warnings.catch_warnings():  # Lightning's advice on dataloader workers and the like
-                warnings.simplefilter("ignore")
-                trainer.fit(model, datamodule=dm)
-        finally:
-            chatter.setLevel(level)
+        _fit(model, dm, _Clock(spec, passed, device, warmup), spec, device, warmup + rounds)
+        for name in [n for n in passed if n.startswith(f"{FEATLEARN} x")]:  # S seeds in one run, after S = 1
+            count = int(name.removeprefix(f"{FEATLEARN} x"))
+            stack, data = build_stack(spec, seed, count, spec.dtype, device)
+            _fit(stack, data, _Clock(spec, passed, device, warmup, name, count), spec, device, warmup + rounds)
     return time_steps
 
 
-def step_case(spec: Method, device: torch.device, compiled: bool = True, flops: float | None = None) -> Case:
-    def variant(compiled: bool | None):
+def _fit(model, dm, clock: _Clock, spec: Method, device: torch.device, steps: int) -> None:
+    """A quiet ``Trainer.fit`` of ``steps`` steps with the CLI's ``DivergenceGuard`` and ``clock``."""
+    chatter = logging.getLogger("lightning.pytorch")
+    level = chatter.level
+    chatter.setLevel(logging.WARNING)  # the Trainer's banner (accelerators, tips) between the progress lines
+    try:
+        trainer = L.Trainer(accelerator="gpu" if device.type == "cuda" else "cpu", devices=1,
+                            max_steps=steps, max_epochs=-1, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                            limit_val_batches=0, log_every_n_steps=spec.log_every, callbacks=[DivergenceGuard(), clock])
+        with warnings.catch_warnings():  # Lightning's advice on dataloader workers and the like
+            warnings.simplefilter("ignore")
+            trainer.fit(model, datamodule=dm)
+    finally:
+        chatter.setLevel(level)
+
+
+def step_case(spec: Method, device: torch.device, compiled: bool = True, flops: float | None = None,
+              seeds: tuple[int, ...] = ()) -> Case:
+    """The case of one method: featlearn, the plain loops, and ``featlearn xS`` for each S of ``seeds`` (S seeds
+    in one run; its times are per seed-step, so its speed-ups compare it with S separate plain loops)."""
+    def variant(compiled: bool | None, count: int = 1):
         def run(inputs):
             if compiled is None:
-                return featlearn_one_step(spec, inputs["seed"], device, torch.float64)
+                return featlearn_one_step(spec, inputs["seed"], device, torch.float64, count)
             return plain_one_step(spec, inputs["seed"], device, torch.float64, compiled)
         return run
 
@@ -217,14 +249,16 @@ def step_case(spec: Method, device: torch.device, compiled: bool = True, flops: 
     precision = "fp64" if spec.dtype == torch.float64 else "ieee"  # timed in spec.dtype (checked in float64)
 
     return Case(spec.name, f"{spec.shape()}, {str(spec.dtype).removeprefix('torch.')}",
-                [Variant(FEATLEARN, variant(None), precision), Variant(EAGER, variant(False), precision),
+                [Variant(FEATLEARN, variant(None), precision),
+                 *[Variant(f"{FEATLEARN} x{n}", variant(None, n), precision) for n in seeds if n > 1],
+                 Variant(EAGER, variant(False), precision),
                  *([Variant(COMPILED, variant(True), precision)] if compiled else [])],
                 lambda dtype, dev, seed: {"seed": seed}, reference, dtype=torch.float64, timer=_timer(spec),
                 flops=flops)
 
 
-def cases(methods: list[str], size: str, device: torch.device) -> list[Case]:
+def cases(methods: list[str], size: str, device: torch.device, seeds: tuple[int, ...] = ()) -> list[Case]:
     if size == "gpu":
-        return [step_case(spec, device, name in COMPILED_AT_GPU, flops)
+        return [step_case(spec, device, name in COMPILED_AT_GPU, flops, seeds)
                 for name in methods for spec, flops in [gpu_method(name)]]
-    return [step_case(spec, device) for name in methods for spec in method(name, size)]
+    return [step_case(spec, device, seeds=seeds) for name in methods for spec in method(name, size)]
