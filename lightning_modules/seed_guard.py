@@ -22,6 +22,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
 from featlearn.errors import DivergenceError
+from featlearn.metrics.figures import run_folder
 
 QUANTITIES = ("loss", "weight_norm")
 
@@ -173,10 +174,10 @@ class SeedGuard:
         rows, or fresh with ``fresh_optimizer``: after a divergence it is not worth keeping)."""
         stack = self.stack
         trainer = stack._trainer
-        if trainer is None or trainer.global_rank != 0 or not trainer.log_dir:
+        if trainer is None or trainer.global_rank != 0:
             return None
         member, data = stack.members[s], trainer.datamodule
-        folder = Path(trainer.log_dir) / f"seed_{stack.seeds[s]}"
+        folder = Path(run_folder(trainer)) / f"seed_{stack.seeds[s]}"
         folder.mkdir(parents=True, exist_ok=True)
         ckpt = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
         for key in ("seed_guard", "seed_members", type(data).__qualname__):

@@ -213,8 +213,18 @@ def seed_writer(trainer, seed: int):
     if seed not in writers:
         from torch.utils.tensorboard import SummaryWriter
 
-        writers[seed] = SummaryWriter(f"{trainer.log_dir}/seed_{seed}")
+        writers[seed] = SummaryWriter(f"{run_folder(trainer)}/seed_{seed}")
     return writers[seed]
+
+
+def run_folder(trainer) -> str:
+    """``trainer.log_dir`` without its broadcast (which would wait forever for ranks that do not ask): the first
+    logger's folder, else the Trainer's root folder."""
+    for logger in trainer.loggers:
+        folder = logger.log_dir or logger.save_dir
+        if folder:
+            return str(folder)
+    return str(trainer.default_root_dir)
 
 
 def close_seed_writers(trainer) -> None:

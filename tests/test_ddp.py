@@ -95,11 +95,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def fit(tmp_path: Path, name: str, devices: int, batch_size: int | None) -> dict:
+def fit(tmp_path: Path, name: str, devices: int, batch_size: int | None, extra: tuple = ()) -> dict:
     """One CLI run; returns the checkpoint's state dict."""
     config, overrides = CASES[name][:2]
-    out = tmp_path / f"{name}_{devices}x{batch_size}"
-    cmd = [str(CLI), "fit", "--config", str(ROOT / "configs" / config), *COMMON, *overrides,
+    out = tmp_path / f"{name}_{devices}x{batch_size}{'_'.join(('', *extra))}"
+    cmd = [str(CLI), "fit", "--config", str(ROOT / "configs" / config), *COMMON, *overrides, *extra,
            "--trainer.devices", str(devices), "--trainer.default_root_dir", str(out),
            "--checkpoint.dirpath", str(out / "ckpt")]
     if batch_size is not None:
@@ -120,10 +120,10 @@ def max_diff(a: dict, b: dict) -> float:
     return max(float((a[k].double() - b[k].double()).abs().max()) for k in a if a[k].is_floating_point())
 
 
-def _check(tmp_path, name):
+def _check(tmp_path, name, extra: tuple = ()):
     _, _, batch, split, dtype = CASES[name]
-    double = fit(tmp_path, name, devices=2, batch_size=batch)
-    single = fit(tmp_path, name, devices=1, batch_size=None if batch is None else 2 * batch)
+    double = fit(tmp_path, name, devices=2, batch_size=batch, extra=extra)
+    single = fit(tmp_path, name, devices=1, batch_size=None if batch is None else 2 * batch, extra=extra)
     assert double.keys() == single.keys()
     # float32: a few ulps from reordered sums (over ranks, over gathered rows); float64: ~1e-15
     rtol, atol_rel = (1e-5, 1e-6) if dtype == torch.float32 else (1e-10, 1e-12)
@@ -137,7 +137,7 @@ def _check(tmp_path, name):
         else:
             assert torch.equal(double[key], value), key
     if split is not None:
-        apart = fit(tmp_path, name, devices=1, batch_size=split)
+        apart = fit(tmp_path, name, devices=1, batch_size=split, extra=extra)
         assert max_diff(apart, single) > 100 * max_diff(double, single), "the batch split does not matter"
 
 
@@ -169,6 +169,13 @@ def test_negative_pool_gathered_from_ranks_is_the_one_device_pool(mode, batch, n
 @pytest.mark.parametrize("name", DEFAULT)
 def test_two_processes_match_one(tmp_path, name):
     _check(tmp_path, name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["noncontrastive_sample", "noncontrastive_population", "universality", "contrastive"])
+def test_several_seeds_in_one_run_on_two_processes_match_one(tmp_path, name):
+    """``--seeds``: each rank runs every seed on its half of each seed's batch (vmap is off: the loss gathers)."""
+    _check(tmp_path, name, ("--seeds", "[4, 7]"))
 
 
 @pytest.mark.slow
