@@ -73,7 +73,7 @@ profile: $(STAMP)  ## a torch.profiler trace of 10 MRP steps (runs/profile; tens
 
 bench: $(STAMP)  ## op and training-step benchmarks at the CPU sizes (benchmarks/results/bench/)
 	$(VENV)/bin/featlearn bench op --size tiny --threads 1 --repeats 30 --out benchmarks/results/bench
-	$(VENV)/bin/featlearn bench step --size tiny --threads 1 --repeats 30 --out benchmarks/results/bench
+	$(VENV)/bin/featlearn bench step --size tiny --threads 1 --repeats 30 --seeds 8 32 --out benchmarks/results/bench
 
 tensorboard: $(STAMP)
 	$(VENV)/bin/tensorboard --logdir runs

@@ -10,7 +10,9 @@ Usage:
 
 Every run gets a :class:`~featlearn.callbacks.DivergenceGuard`, a
 :class:`~featlearn.callbacks.HeatmapLogger` (``--heatmap.every_n_steps``) and a
-:class:`~featlearn.callbacks.FinalCheckpoint` that keeps ``last.ckpt``, the final state (``--checkpoint.*``); TensorBoard is the default logger. A config value outside
+:class:`~featlearn.callbacks.FinalCheckpoint` that keeps ``last.ckpt``, the final state (``--checkpoint.*``);
+TensorBoard is the default logger. ``--seeds '[0, 1, 2]'`` trains several seeds in one run
+(:mod:`featlearn.lightning_modules.seeds`). A config value outside
 what a method allows is refused before training with a message naming the field.
 """
 import argparse

@@ -175,13 +175,14 @@ class FeatureLearningModule(L.LightningModule):
             return super().log(name, value, *args, **kwargs)
         stack.member_log(self, name, value)
 
-    def _writer(self):
+    def summary_writer(self):
+        """The TensorBoard ``SummaryWriter`` of this run (of this seed's run, for one seed of several), or None."""
         stack = self.seed_stack()
         return tensorboard_writer(self._trainer) if stack is None else stack.member_writer(self)
 
     def log_figure(self, tag: str, figure) -> None:
         """Log a matplotlib figure to TensorBoard at the current step (rank 0; no-op without TensorBoard)."""
-        writer = self._writer()
+        writer = self.summary_writer()
         if writer is not None:
             writer.add_figure(tag, figure, self.global_step)
         plt.close(figure)
@@ -189,7 +190,7 @@ class FeatureLearningModule(L.LightningModule):
     def log_heatmap(self, tag: str, matrix: torch.Tensor, **figure_args) -> None:
         """Log ``matrix`` as a heat map (:func:`~featlearn.metrics.figures.heatmap_figure`'s keyword arguments)
         at the current step, redrawn on the figure kept for ``tag`` (rank 0; no-op without TensorBoard)."""
-        writer = self._writer()
+        writer = self.summary_writer()
         if writer is None:
             return
         if getattr(self, "_heatmap_frames", None) is None:

@@ -277,7 +277,7 @@ class ContrastiveModule(FeatureLearningModule):
 
     def _log_histograms(self) -> None:
         """TensorBoard histograms of rho_i, |alpha_ij| / ||w_i|| and |N_i|."""
-        writer = self._writer()
+        writer = self.summary_writer()
         if writer is None:
             return
         fm = feature_metrics(self.w.detach(), self.bias.detach(), self.M, self.tau)

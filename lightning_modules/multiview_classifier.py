@@ -120,7 +120,7 @@ class MultiViewClassifier(MultiViewEncoder):
     def _evaluate(self, batch, stage: str) -> None:
         logits, y, single = self(batch["x"]), batch["y"], batch["single_view"]
         pred, margin = logits.argmax(1), classification_margin(logits, y)
-        writer = self._writer() if stage == "test" else None
+        writer = self.summary_writer() if stage == "test" else None
         for view, keep in (("all", torch.ones_like(single)), ("multi", ~single), ("single", single)):
             if keep.any():
                 metric = self.metrics[f"{stage}_{view}"]

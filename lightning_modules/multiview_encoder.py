@@ -113,7 +113,7 @@ class MultiViewEncoder(FeatureLearningModule):
     def on_fit_end(self) -> None:
         """Histogram of the per-feature first-capture steps (TensorBoard ``first_capture_step``)."""
         steps = self.first_capture_step[self.first_capture_step >= 0]
-        writer = self._writer()
+        writer = self.summary_writer()
         if len(steps) and writer is not None:
             writer.add_histogram("first_capture_step", steps, self.global_step)
         super().on_fit_end()

@@ -188,7 +188,8 @@ class SeedGuard:
         state = self.snapshots[s] if state is None else state
         ckpt["state_dict"] = {k: v.detach().cpu().clone() for k, v in state.items()}
         kind = type(member)
-        ckpt["hyper_parameters"] = {**dict(member.hparams_initial), "_class_path": f"{kind.__module__}.{kind.__qualname__}"}
+        ckpt["hyper_parameters"] = {**dict(member.hparams_initial),
+                                    "_class_path": f"{kind.__module__}.{kind.__qualname__}"}
         ckpt["optimizer_states"] = [_rows(o, s, len(stack.members), fresh_optimizer)
                                     for o in ckpt.get("optimizer_states", [])]
         ckpt["seed"] = stack.seeds[s]

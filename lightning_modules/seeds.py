@@ -172,7 +172,8 @@ class SeedStack(L.LightningModule):
             for s in self.live:
                 member = self.members[s]
                 member.finish_step(step)
-                if self._trainer is not None and self._trainer.should_stop:  # a member's own stop (e.g. MRP after capture) ends its seed only
+                # a member's own stop (MRP after capture) ends its seed only
+                if self._trainer is not None and self._trainer.should_stop:
                     self.trainer.should_stop = False
                     self.guard.finish(s)
             if not any(self.alive) and self._trainer is not None:
@@ -181,13 +182,13 @@ class SeedStack(L.LightningModule):
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
         self.guard.after_step(self.global_step)
 
-    def validation_step(self, batch, batch_idx):
+    def validation_step(self, batch, batch_idx, *dataloader_idx):
         for s, member in enumerate(self.members):
-            member.validation_step(batch["seeds"][s], batch_idx)
+            member.validation_step(batch["seeds"][s], batch_idx, *dataloader_idx)
 
-    def test_step(self, batch, batch_idx):
+    def test_step(self, batch, batch_idx, *dataloader_idx):
         for s, member in enumerate(self.members):
-            member.test_step(batch["seeds"][s], batch_idx)
+            member.test_step(batch["seeds"][s], batch_idx, *dataloader_idx)
 
     def configure_optimizers(self):
         """The method's optimizer, built by the first member while it holds the stacked leaves."""

@@ -202,7 +202,7 @@ class GlobalLocalViT(FeatureLearningModule):
         # collectives (the metrics' all_reduce, CL's all_gather of the negatives), which a call behind rank 0's
         # logger check would pair with another collective of rank 1 (a deadlock or garbage).
         final = self.final_evaluation()
-        if final is not None and self._writer() is not None:
+        if final is not None and self.summary_writer() is not None:
             self._log_figures(self._last_batch, final[1])
         super().on_train_end()
 
@@ -237,7 +237,7 @@ class GlobalLocalViT(FeatureLearningModule):
         """The area-level attention matrix and one sample's query x key attention (sorted by area), with
         fixed colour scales, histograms of the own-area and to-global correlations and, on the grid layout,
         the attention diversity of ``maps = (attention of every query [b, P, P], masked keys [b, P])``."""
-        writer = self._writer()
+        writer = self.summary_writer()
         if writer is None:
             return
         # the figures read the weights to the host anyway: let the guard judge the kept steps first, so diverged

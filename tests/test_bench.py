@@ -68,6 +68,17 @@ def test_step_smoke_featlearn_matches_plain_loop(tmp_path):
     assert {r["variant"] for r in _rows(files[0])} == {"featlearn", "eager", "compiled"}
 
 
+def test_step_seeds_in_one_run_are_checked_then_timed_per_seed_step(tmp_path):
+    """``--seeds 3``: the first seed of three in one run takes the plain loop's step (float64), then is timed."""
+    status, results, _ = run(["step", "--size", "smoke", "--method", "noncontrastive", "universality", "--seeds", "3",
+                              "--repeats", "2", "--warmup", "1", "--device", "cpu", "--no-compile", "--out",
+                              str(tmp_path)])
+    assert status == 0, [(r.case, r.variant, r.note) for r in results if not r.passed]
+    stacked = [r for r in results if r.variant == "featlearn x3"]
+    assert {r.case for r in stacked} == {"noncontrastive sample", "noncontrastive population", "universality"}
+    assert all(r.passed and r.error <= 1e-10 and len(r.seconds) == 2 for r in stacked)
+
+
 def test_check_refuses_a_variant_that_writes_nan():
     case = patch_case("smoke", torch.device("cpu"))
     case.variants = [harness.Variant("nan", lambda inp: tuple(torch.full_like(o, float("nan"))

@@ -25,7 +25,8 @@ MODULES = ["featlearn.kernels.registry", "featlearn.experiments.common", "featle
            "featlearn.experiments.sweep", "featlearn.experiments.vit", "featlearn.gpu.compile", "featlearn.gpu.cases",
            "featlearn.papers", "featlearn.bench.harness", "featlearn.quiet",
            "featlearn.experiments.study", "featlearn.experiments.settings", "featlearn.experiments.sweep_file",
-           "featlearn.experiments.vit_report", "featlearn.theory.universality_downstream"]
+           "featlearn.experiments.vit_report", "featlearn.theory.universality_downstream",
+           "featlearn.lightning_modules.seeds", "featlearn.datamodules.seeds"]
 
 
 @pytest.mark.parametrize("name", MODULES)

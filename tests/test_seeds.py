@@ -115,3 +115,15 @@ def test_bad_seeds_are_refused(argv, words, tmp_path, capsys):
         main([*_args("noncontrastive_population", tmp_path), *argv])
     assert exit_.value.code == 2
     assert words in capsys.readouterr().err
+
+
+def test_a_run_of_several_seeds_resumes_where_it_stopped(tmp_path):
+    """The run's own last.ckpt holds every seed: 3 steps, then resumed to 6, ends where 6 steps in one go end."""
+    seeds = ["--seeds", "[2, 9]"]
+    whole = make_cli([*_args("contrastive", tmp_path / "whole", 6), *seeds]).model
+    first = make_cli([*_args("contrastive", tmp_path / "cut", 3), *seeds])
+    ckpt = first.trainer.checkpoint_callback.last_model_path
+    resumed = make_cli([*_args("contrastive", tmp_path / "cut", 6), *seeds, "--ckpt_path", ckpt]).model
+    for a, b in zip(whole.stacked, resumed.stacked):
+        assert torch.equal(a.detach(), b.detach())
+    assert [m.T1 for m in whole.members] == [m.T1 for m in resumed.members]   # the members' own checkpoint state
