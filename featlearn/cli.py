@@ -24,6 +24,7 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.cli import LightningCLI
 
 from lightning.pytorch.callbacks import ProgressBar
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from lightning.fabric.utilities.seed import seed_everything
 
 from featlearn.callbacks import DivergenceGuard, FinalCheckpoint, HeatmapLogger, StepProgressBar
@@ -146,7 +147,7 @@ class FeatlearnCLI(LightningCLI):
         self.datamodule.check_devices(self.trainer.world_size)
         self.model.attach(self.datamodule)
         seeds = self.config[self.subcommand].get("seeds")
-        if seeds:
+        if seeds is not None:
             self.model, self.datamodule = self._stack_seeds(seeds)
         if self._ckpt is not None:
             path, ckpt = self._ckpt
@@ -156,11 +157,12 @@ class FeatlearnCLI(LightningCLI):
     def _stack_seeds(self, seeds: list[int]):
         """The config's method and data once per seed, each built as a run of that seed alone would be, as
         a :class:`~featlearn.lightning_modules.seeds.SeedStack` and its DataModule."""
-        if len(set(seeds)) != len(seeds):
-            raise ConfigError("seeds", "distinct seeds", seeds)
+        if not seeds or len(set(seeds)) != len(seeds) or not all(0 <= s < 2 ** 32 for s in seeds):
+            raise ConfigError("seeds", "a non-empty list of distinct seeds in [0, 2^32)", seeds)
         if self.subcommand != "fit":
             raise ConfigError("seeds", f"given to `fit` only (for `{self.subcommand}`, give one seed's own "
                                        "checkpoint, <log_dir>/seed_<s>/last.ckpt)", seeds)
+        _check_seed_settings(self.trainer, self.config[self.subcommand])
         parser, config = self._parser(self.subcommand), self.config[self.subcommand]
         models, datas, dump = [], [], self.config_dump
         for seed in seeds:
@@ -178,6 +180,25 @@ class FeatlearnCLI(LightningCLI):
             datas.append(built.data)
         self.config_dump = dump
         return SeedStack(models, seeds), SeedStackDataModule(datas, seeds)
+
+
+def _check_seed_settings(trainer, config) -> None:
+    """Refuse, with several seeds in one run, the settings that would couple the seeds (one gradient norm, one
+    loss scale, one monitored metric) or that cannot hold their stacked weights (sharded or spawned processes)."""
+    strategy = trainer.strategy
+    if not isinstance(strategy, SingleDeviceStrategy) and not (
+            type(strategy) is DDPStrategy and getattr(strategy, "_start_method", "popen") == "popen"):
+        raise ConfigError("trainer.strategy", "auto or ddp with --seeds (each process holds every seed)",
+                          type(strategy).__name__)
+    if trainer.gradient_clip_val:
+        raise ConfigError("trainer.gradient_clip_val", "null with --seeds (one norm over all seeds would couple them)",
+                          trainer.gradient_clip_val)
+    if str(trainer.precision) == "16-mixed":
+        raise ConfigError("trainer.precision", "not 16-mixed with --seeds (one loss scale would skip every seed's "
+                                               "step for one seed's overflow)", trainer.precision)
+    if config.get("checkpoint.monitor") is not None:
+        raise ConfigError("checkpoint.monitor", "null with --seeds (each seed logs to its own run)",
+                          config.get("checkpoint.monitor"))
 
 
 def _results_not_placeholders(logger) -> None:

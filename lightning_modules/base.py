@@ -26,6 +26,8 @@ Example:
     ...     def correlations(self):
     ...         return self.w @ self.features.T
 """
+import inspect
+
 import lightning as L
 import torch
 from lightning.fabric.utilities.data import AttributeDict
@@ -35,6 +37,8 @@ from torch.profiler import record_function
 from featlearn.datamodules.base import SyntheticDataModule
 from featlearn.errors import ConfigError
 from featlearn.metrics.figures import HeatmapFrames, log_results, plt, tensorboard_writer
+
+_LOG_SIGNATURE = inspect.signature(L.LightningModule.log)
 
 # Optimizer-state entries that are learned state rather than configuration; everything else in a param
 # group (lr, weight_decay, momentum, ...) comes from the current config when a run is resumed.
@@ -109,7 +113,7 @@ class FeatureLearningModule(L.LightningModule):
         stack = self.seed_stack()
         if stack is None:
             return self.trainer.callback_metrics.get(name)
-        return stack.logged[self._seed_row].get(name)
+        return stack.logs.last[self._seed_row].get(name)
 
     def finish_step(self, step: int) -> None:
         """Complete optimisation step number ``step`` (1 for the first), whose update was just applied."""
@@ -118,6 +122,8 @@ class FeatureLearningModule(L.LightningModule):
         """Resume with the optimizer settings of the current config (e.g. a lowered ``lr`` after a
         blow-up), keeping the optimizer's learned state (momentum buffers)."""
         states = checkpoint.get("optimizer_states") or []
+        if not states:  # nothing to update (one seed of a stack: the stack's optimizer holds its state)
+            return
         fresh = self.configure_optimizers()
         fresh = fresh if isinstance(fresh, (list, tuple)) else [fresh]
         for state, optimizer in zip(states, fresh):
@@ -169,11 +175,13 @@ class FeatureLearningModule(L.LightningModule):
         return owner() if owner is not None else None
 
     def log(self, name: str, value, *args, **kwargs) -> None:
-        """Lightning's ``self.log``; for one seed of a stack, a scalar in that seed's TensorBoard run."""
+        """Lightning's ``self.log``; for one seed of a stack, that seed's TensorBoard run
+        (:mod:`featlearn.lightning_modules.seed_logs`)."""
         stack = self.seed_stack()
         if stack is None:
             return super().log(name, value, *args, **kwargs)
-        stack.member_log(self, name, value)
+        options = _LOG_SIGNATURE.bind(self, name, value, *args, **kwargs).arguments
+        stack.member_log(self, name, value, **{k: v for k, v in options.items() if k not in ("self", "name", "value")})
 
     def summary_writer(self):
         """The TensorBoard ``SummaryWriter`` of this run (of this seed's run, for one seed of several), or None."""

@@ -25,6 +25,7 @@ from featlearn.errors import DivergenceError
 from featlearn.metrics.figures import run_folder
 
 QUANTITIES = ("loss", "weight_norm")
+STEP = "__step__"  # a snapshot's entry: the finished step its state is from
 
 
 class SeedGuard:
@@ -57,25 +58,35 @@ class SeedGuard:
             if cli.window != self.window:
                 self.window = cli.window
                 self.history = [deque(h, maxlen=self.window) for h in self.history]
+        norms = self._norms()
         for s in self.stack.live:
-            self.snapshots[s] = self._snapshot(s)
+            if self.snapshots[s] is None:  # a resumed run keeps the snapshots of its checkpoint
+                self.snapshots[s] = self._snapshot(s)
+            if not self.history[s]:  # the initial weights are the first reference: a first step can blow up too
+                self.history[s].append({"loss": 0.0, "weight_norm": float(norms[s])})
         self._pending = []
 
     def record(self, losses: torch.Tensor) -> None:
         self._losses = losses
 
+    def _norms(self) -> torch.Tensor:
+        """Each seed's weight norm ``[S]`` (float64, on the device)."""
+        squares = [torch.linalg.vector_norm(leaf.detach().flatten(1), dim=1, dtype=torch.float64) ** 2
+                   for leaf in self.stack.stacked]
+        return torch.stack(squares).sum(0).sqrt()
+
     def after_step(self, step: int) -> None:
+        """Keep finished step ``step``'s numbers (its loss, its weights after the update and the step's finishing
+        work); read and judge the kept steps every ``check_every_n_steps`` steps."""
         stack = self.stack
         if self._losses is None:
             return
-        norms = torch.zeros(len(stack.members), dtype=torch.float64, device=self._losses.device)
-        for leaf in stack.stacked:
-            norms = norms + leaf.detach().flatten(1).to(torch.float64).pow(2).sum(1)
         losses = self._losses.to(torch.float64)
-        self._pending.append((step, torch.stack([losses, torch.isfinite(losses).to(torch.float64), norms.sqrt()])))
+        self._pending.append((step, torch.stack([losses.abs(), (~torch.isfinite(losses)).to(torch.float64),
+                                                 self._norms()])))
         self._losses = None
         every = self.every or max(1, stack.trainer.log_every_n_steps)
-        if (step + 1) % every == 0 or stack.trainer.should_stop:
+        if step % every == 0 or stack.trainer.should_stop:
             self.check()
 
     def check(self) -> None:
@@ -83,25 +94,30 @@ class SeedGuard:
         if not self._pending:
             return
         stack, pending, self._pending = self.stack, self._pending, []
-        rows = torch.stack([t for _, t in pending]).cpu().tolist()      # [steps][3][S]
+        kept = torch.stack([t for _, t in pending])                     # [steps, 3, S]
+        trainer = stack._trainer
+        if trainer is not None and trainer.world_size > 1:  # one verdict on every process: the worst of them
+            kept = trainer.strategy.reduce(kept, reduce_op="max")
+        rows = kept.cpu().tolist()
         healthy = set(stack.live)
-        for (step, _), (loss, finite, norm) in zip(pending, rows):
+        for (step, _), (loss, broken, norm) in zip(pending, rows):
             for s in sorted(healthy):
-                reason = self._judge(s, step, {"loss": abs(loss[s]), "weight_norm": norm[s]}, finite[s] == 1.0,
-                                     loss[s])
+                reason = self._judge(s, step, {"loss": loss[s], "weight_norm": norm[s]}, broken[s] == 0.0, loss[s])
                 if reason is not None:
                     healthy.discard(s)
                     self._stop(s, step, reason)
         for s in healthy:
             if not self._suspect(s):
-                self.snapshots[s] = self._snapshot(s)
+                self.snapshots[s] = self._snapshot(s, pending[-1][0])
+        if trainer is not None and not any(stack.alive):
+            trainer.should_stop = True
         if not any(stack.alive) and self.stopped and all(r.startswith("diverged") for r in self.stopped.values()):
             raise DivergenceError("every seed diverged: " + "; ".join(
                 f"seed {stack.seeds[s]} {r.removeprefix('diverged: ')}" for s, r in sorted(self.stopped.items())))
 
     def _judge(self, s: int, step: int, now: dict, loss_finite: bool, loss: float) -> str | None:
         if not loss_finite:
-            return f"train loss is {loss} at step {step}"
+            return f"train loss is not finite at step {step}"
         if not math.isfinite(now["weight_norm"]):
             return f"its weights are not finite at step {step}"
         for quantity, factor in self.factors.items():
@@ -127,10 +143,12 @@ class SeedGuard:
         return False
 
     # --- stopping and holding a seed ---------------------------------------------------------
-    def _snapshot(self, s: int) -> dict:
+    def _snapshot(self, s: int, step: int | None = None) -> dict:
+        """Seed row ``s``'s state now (its rows and its member's buffers), after finished step ``step``."""
         stack, member = self.stack, self.stack.members[s]
         state = {name: leaf.detach()[s].clone() for name, leaf in zip(stack.names, stack.stacked)}
         state.update({k: v.detach().clone() for k, v in member.state_dict().items()})
+        state[STEP] = torch.tensor(stack.global_step if step is None else step)
         return state
 
     def _restore(self, s: int) -> None:
@@ -138,7 +156,8 @@ class SeedGuard:
         with torch.no_grad():
             for name, leaf in zip(stack.names, stack.stacked):
                 leaf[s] = snap[name]
-            stack.members[s].load_state_dict({k: v for k, v in snap.items() if k not in stack.names}, strict=False)
+            own = {k: v for k, v in snap.items() if k not in stack.names and k != STEP}
+            stack.members[s].load_state_dict(own, strict=False)
 
     def _stop(self, s: int, step: int, reason: str) -> None:
         stack = self.stack
@@ -146,18 +165,19 @@ class SeedGuard:
         self.stopped[s] = f"diverged: {reason}"
         self._restore(s)
         path = self.write(s, "before_divergence.ckpt")
+        kept_at = int(self.snapshots[s][STEP])
         fields = " or ".join(f"--model.init_args.{f}" for f in stack.members[s].step_size_fields)
         seed = stack.seeds[s]
-        rank_zero_warn(f"seed {seed} diverged ({reason}) and stops here; the other seeds go on. Its state before the "
-                       f"damage is {path or 'kept in memory only (no logger)'}: resume that seed alone with a smaller "
+        rank_zero_warn(f"seed {seed} diverged ({reason}) and stops here; the other seeds go on. Its state after step "
+                       f"{kept_at}, before the damage, is {path}: resume that seed alone with a smaller "
                        f"{fields}: lightning fit --config CONFIG --seed_everything {seed} --data.init_args.seed {seed} "
                        f"--ckpt_path {path or '...'} (and --model.init_args.seed {seed} where the model takes one).")
 
-    def finish(self, s: int) -> None:
-        """Seed row ``s`` asked to stop (its method's own stopping rule): hold it where it is."""
+    def finish(self, s: int, step: int) -> None:
+        """Seed row ``s`` asked to stop after step ``step`` (its method's own stopping rule): hold it there."""
         self.stack.alive[s] = False
         self.stopped[s] = "finished"
-        self.snapshots[s] = self._snapshot(s)
+        self.snapshots[s] = self._snapshot(s, step)
 
     def hold_stopped_rows(self) -> None:
         """Undo the optimizer's update of stopped seeds (momentum, Adam state or weight decay still move them)."""
@@ -165,7 +185,7 @@ class SeedGuard:
         for s, ok in enumerate(stack.alive):
             if not ok:
                 for name, leaf in zip(stack.names, stack.stacked):
-                    leaf.data[s] = self.snapshots[s][name]
+                    leaf.detach()[s] = self.snapshots[s][name]
 
     # --- files -----------------------------------------------------------------------------
     def write(self, s: int, filename: str, state: dict | None = None, fresh_optimizer: bool = True) -> str | None:
@@ -180,13 +200,15 @@ class SeedGuard:
         folder = Path(run_folder(trainer)) / f"seed_{stack.seeds[s]}"
         folder.mkdir(parents=True, exist_ok=True)
         ckpt = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
-        for key in ("seed_guard", "seed_members", type(data).__qualname__):
+        for key in ("seeds", "seed_guard", "seed_members", "callbacks", type(data).__qualname__):
             ckpt.pop(key, None)
         member.on_save_checkpoint(ckpt)
         member_data = data.members[s]
         ckpt[type(member_data).__qualname__] = member_data.state_dict()
         state = self.snapshots[s] if state is None else state
-        ckpt["state_dict"] = {k: v.detach().cpu().clone() for k, v in state.items()}
+        ckpt["state_dict"] = {k: v.detach().cpu().clone() for k, v in state.items() if k != STEP}
+        # the step the weights are from (the loops' counters are the stack's, at the write)
+        ckpt["weights_step"] = int(state[STEP])
         kind = type(member)
         ckpt["hyper_parameters"] = {**dict(member.hparams_initial),
                                     "_class_path": f"{kind.__module__}.{kind.__qualname__}"}
@@ -204,7 +226,8 @@ class SeedGuard:
                 self.write(s, "last.ckpt", self._snapshot(s), fresh_optimizer=False)
 
     def state_dict(self) -> dict:
-        return {"alive": list(self.stack.alive), "stopped": dict(self.stopped), "snapshots": self.snapshots}
+        return {"alive": list(self.stack.alive), "stopped": dict(self.stopped), "snapshots": self.snapshots,
+                "history": [list(h) for h in self.history]}
 
     def load_state_dict(self, state: dict) -> None:
         if not state:
@@ -212,6 +235,7 @@ class SeedGuard:
         self.stack.alive[:] = state["alive"]
         self.stopped = dict(state["stopped"])
         self.snapshots = list(state["snapshots"])
+        self.history = [deque(h, maxlen=self.window) for h in state.get("history", [[] for _ in self.history])]
 
 
 def _rows(optimizer_state: dict, s: int, size: int, fresh: bool) -> dict:

@@ -42,12 +42,18 @@ import weakref
 
 import lightning as L
 import torch
-from torchmetrics import Metric
 
 from featlearn.errors import ConfigError
 from featlearn.lightning_modules.base import FeatureLearningModule
 from featlearn.lightning_modules.seed_guard import SeedGuard
-from featlearn.metrics.figures import close_seed_writers, seed_writer, write_hparams
+from featlearn.lightning_modules.seed_logs import SeedLogs
+
+
+# Lightning hooks a stack does not pass on to its members: a method that overrides one is refused
+UNFORWARDED_HOOKS = ("on_train_batch_start", "on_train_batch_end", "on_train_epoch_start", "on_train_epoch_end",
+                     "on_before_backward", "on_after_backward", "on_before_optimizer_step", "on_before_zero_grad",
+                     "configure_gradient_clipping", "on_validation_epoch_start", "on_validation_batch_end",
+                     "on_test_epoch_start", "lr_scheduler_step")
 
 
 class SeedStack(L.LightningModule):
@@ -62,6 +68,10 @@ class SeedStack(L.LightningModule):
             raise ConfigError("seeds", "a non-empty list of distinct seeds, one per member", seeds)
         if len({type(m) for m in members}) != 1:
             raise ConfigError("seeds", "members of one method", [type(m).__name__ for m in members])
+        own = [h for h in UNFORWARDED_HOOKS if getattr(type(members[0]), h) is not getattr(L.LightningModule, h)]
+        if own:
+            raise ConfigError("seeds", f"a method whose Lightning hooks a stack forwards ({type(members[0]).__name__} "
+                                       f"overrides {', '.join(own)}): train its seeds one run each", seeds)
         self.seeds = [int(s) for s in seeds]
         self.members = torch.nn.ModuleList(members)
         first = members[0]
@@ -84,7 +94,7 @@ class SeedStack(L.LightningModule):
             object.__setattr__(member, "_seed_owner", weakref.ref(self))
             object.__setattr__(member, "_seed_row", s)
         self.alive = [True] * len(members)
-        self.logged: list[dict[str, float]] = [{} for _ in members]  # each member's last value of each name
+        self.logs = SeedLogs(self, len(members))
         self.samples_needed = first.samples_needed
         self.guard = SeedGuard(self)
         self._bind()
@@ -105,16 +115,17 @@ class SeedStack(L.LightningModule):
         return self
 
     @contextlib.contextmanager
-    def _rows_with_graph(self, s: int):
-        """Member ``s`` reads rows of the leaves themselves, so its loss's gradient reaches them."""
+    def _rows_with_graph(self, s: int, rows: list[tuple[torch.Tensor, ...]]):
+        """Member ``s`` reads its rows of the leaves' ``unbind`` (one per step: its backward stacks every seed's
+        gradient once, where a separate ``leaf[s]`` per seed would add S full-size gradients)."""
         member = self.members[s]
         try:
-            for name, leaf in zip(self.names, self.stacked):
-                owner, attr = _owner(member, name)
-                setattr(owner, attr, leaf[s])
+            for name, leaf_rows in zip(self.names, rows):
+                setattr(*_owner(member, name), leaf_rows[s])
             yield member
         finally:
-            self._bind()
+            for name, leaf in zip(self.names, self.stacked):
+                setattr(*_owner(member, name), leaf.detach()[s])
 
     @property
     def batched(self) -> bool:
@@ -130,6 +141,9 @@ class SeedStack(L.LightningModule):
     def training_step(self, batch, batch_idx):
         batches = batch["seeds"]
         live = self.live
+        if not live:  # every seed stopped (diverged, or its method's own stop): nothing left to train
+            self.trainer.should_stop = True
+            return None
         if self.batched:
             losses = self._batched_losses(batches)
             outs = []
@@ -138,9 +152,9 @@ class SeedStack(L.LightningModule):
             total = sum(outs)
             self.guard.record(losses.detach())
         else:
-            outs = {}
+            outs, rows = {}, [leaf.unbind(0) for leaf in self.stacked]
             for s in live:
-                with self._rows_with_graph(s) as member:
+                with self._rows_with_graph(s, rows) as member:
                     out = member.training_step(batches[s], batch_idx)
                 outs[s] = out["loss"] if isinstance(out, dict) else out
             total = sum(outs.values())
@@ -163,32 +177,33 @@ class SeedStack(L.LightningModule):
     def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:
         self.members[0].prepare_step(optimizer)  # a schedule's step sizes: the same for every seed
         optimizer.step(closure=optimizer_closure)
-        step = self.global_step + 1
+        step, trainer = self.global_step + 1, self._trainer
+        asked = trainer is not None and trainer.should_stop  # a stop asked before this step (not by a member)
         with torch.no_grad():
             first = self.members[0]
             if first.finishes_seeds:  # e.g. one batched projection of every seed's weights
                 first.finish_seeds({name: leaf.detach() for name, leaf in zip(self.names, self.stacked)}, step)
             self.guard.hold_stopped_rows()
             for s in self.live:
-                member = self.members[s]
-                member.finish_step(step)
-                # a member's own stop (MRP after capture) ends its seed only
-                if self._trainer is not None and self._trainer.should_stop:
-                    self.trainer.should_stop = False
-                    self.guard.finish(s)
-            if not any(self.alive) and self._trainer is not None:
-                self.trainer.should_stop = True
+                if trainer is not None:
+                    trainer.should_stop = False
+                self.members[s].finish_step(step)
+                if trainer is not None and trainer.should_stop:  # a member's own stop (MRP after capture): its seed
+                    self.guard.finish(s, step)
+            if trainer is not None:
+                trainer.should_stop = asked or not any(self.alive)
+                self.guard.after_step(step)  # the step is finished: judged with its weights, never before them
 
-    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
-        self.guard.after_step(self.global_step)
+    def on_exception(self, exception: BaseException) -> None:
+        self.logs.close()
 
-    def validation_step(self, batch, batch_idx, *dataloader_idx):
+    def validation_step(self, batch, batch_idx, *args):
         for s, member in enumerate(self.members):
-            member.validation_step(batch["seeds"][s], batch_idx, *dataloader_idx)
+            member.validation_step(batch["seeds"][s], batch_idx, *args)
 
-    def test_step(self, batch, batch_idx, *dataloader_idx):
+    def test_step(self, batch, batch_idx, *args):
         for s, member in enumerate(self.members):
-            member.test_step(batch["seeds"][s], batch_idx, *dataloader_idx)
+            member.test_step(batch["seeds"][s], batch_idx, *args)
 
     def configure_optimizers(self):
         """The method's optimizer, built by the first member while it holds the stacked leaves."""
@@ -204,6 +219,8 @@ class SeedStack(L.LightningModule):
             self._bind()
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
+        if checkpoint.get("seeds", self.seeds) != self.seeds:
+            raise ConfigError("seeds", f"the seeds of the checkpoint, {checkpoint['seeds']}, in that order", self.seeds)
         FeatureLearningModule.on_load_checkpoint(self, checkpoint)
         self.guard.load_state_dict(checkpoint.get("seed_guard") or {})
         for member, own in zip(self.members, checkpoint.get("seed_members") or []):
@@ -211,6 +228,7 @@ class SeedStack(L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         """The guard's verdicts and what each member adds to a checkpoint of its own (stage clocks...)."""
+        checkpoint["seeds"] = self.seeds
         checkpoint["seed_guard"] = self.guard.state_dict()
         checkpoint["seed_members"] = []
         for member in self.members:
@@ -218,29 +236,16 @@ class SeedStack(L.LightningModule):
             member.on_save_checkpoint(own)
             checkpoint["seed_members"].append(own)
 
-    # --- per-seed logs -------------------------------------------------------------------------
-    def member_log(self, member, name: str, value) -> None:
-        """A member's ``self.log``: written to its seed's TensorBoard run when Lightning writes logs."""
-        if isinstance(value, Metric):  # the evaluation splits arrive whole: one batch, one value
-            value, _ = value.compute(), value.reset()
-        value = float(value.detach()) if torch.is_tensor(value) else float(value)
-        self.logged[member._seed_row][name] = value
-        writer = seed_writer(self._trainer, self.seeds[member._seed_row])
-        trainer = self._trainer
-        if writer is None or (trainer.training and (trainer.global_step + 1) % max(1, trainer.log_every_n_steps)):
-            return  # no TensorBoard, or a step Lightning would not write either
-        writer.add_scalar(name, value, self.global_step)
+    # --- per-seed logs (featlearn.lightning_modules.seed_logs) -----------------------------------
+    def member_log(self, member, name: str, value, **options) -> None:
+        """A member's ``self.log`` (Lightning's keyword arguments): its seed's run, as Lightning would write it."""
+        self.logs.log(member._seed_row, name, value, **options)
 
     def member_writer(self, member):
-        return seed_writer(self._trainer, self.seeds[member._seed_row])
+        return self.logs.writer(member._seed_row)
 
     def member_results(self, member, params: dict, results: dict) -> None:
-        """A member's results (``hp/*``) and hyperparameters, with its seed, in its seed's HPARAMS session."""
-        writer = self.member_writer(member)
-        if writer is not None:
-            for name, value in results.items():
-                writer.add_scalar(name, value, self.global_step)
-            write_hparams(writer, {**params, "seed": self.seeds[member._seed_row]}, results, self.global_step)
+        self.logs.results(member._seed_row, params, results)
 
     def heatmaps(self) -> dict[str, torch.Tensor]:
         """The first seed's (in the run's own folder): one frame per seed would cost S figures per frame."""
@@ -275,15 +280,22 @@ class SeedStack(L.LightningModule):
     def on_fit_end(self) -> None:
         for member in self.members:
             member.on_fit_end()
-        close_seed_writers(self.trainer)
+        self.logs.close()
 
     def on_validation_epoch_end(self) -> None:
+        self.logs.end_epoch()           # the steps' values first: a member's epoch end may read them (logged())
         for member in self.members:
             member.on_validation_epoch_end()
+        self.logs.end_epoch()           # then what the members logged at their epoch end
 
     def on_test_epoch_end(self) -> None:
+        self.logs.end_epoch()
         for member in self.members:
             member.on_test_epoch_end()
+        self.logs.end_epoch()
+
+    def on_train_epoch_end(self) -> None:
+        self.logs.end_epoch()
 
     def final_metrics(self) -> dict[str, float]:
         """The first live seed's results (each seed's are in its own run; :meth:`seed_results` has them all)."""

@@ -236,7 +236,7 @@ class ViTCL(GlobalLocalViT):
             decay = 0.5 * self.hparams.weight_decay * self.Q.detach().square().sum()
             met["train/objective"] = met["train/loss"] + decay
             self.log_metrics(met)
-            if self.figures_due() and self.summary_writer() is not None:
+            if self.figures_now():
                 self._log_figures(batch, out["A"])
         return out["loss"]
 

@@ -222,6 +222,16 @@ class GlobalLocalViT(FeatureLearningModule):
         trainer = self._trainer
         return trainer is not None and (self.global_step // max(1, trainer.log_every_n_steps)) % FIGURE_EVERY == 0
 
+    def figures_now(self) -> bool:
+        """Whether this step draws the attention figures (rank 0 with TensorBoard, every few theory steps). On those
+        steps every process first has the guard judge the kept steps (a read all processes make together), so
+        diverged weights stop the run with its message rather than in a histogram of non-finite values."""
+        if not self.figures_due():
+            return False
+        if self.seed_stack() is None:  # a stack judges its seeds after the step, never between two seeds' losses
+            check_guards(self._trainer)
+        return self.summary_writer() is not None
+
     def diversity(self, attn: torch.Tensor, masked: torch.Tensor) -> dict[str, torch.Tensor]:
         """The attention diversity of Huang et al. 2025, App. B (top-10,
         :func:`featlearn.theory.vit.attention_diversity`) of every query's attention ``attn [B, P, P]`` on the grid,
@@ -240,9 +250,6 @@ class GlobalLocalViT(FeatureLearningModule):
         writer = self.summary_writer()
         if writer is None:
             return
-        # the figures read the weights to the host anyway: let the guard judge the kept steps first, so diverged
-        # weights stop the run with its message rather than in a histogram of non-finite values
-        check_guards(self._trainer)
         step = self.global_step
         if maps is not None and self.has_grid:
             for name, value in self.diversity(*maps).items():

@@ -263,7 +263,7 @@ class ViTMAE(GlobalLocalViT):
             # the floors beside the loss curves: theory/loss_floor, theory/loss_floor_local, theory/loss_floor_global
             met.update({f"theory/loss_{k}": torch.tensor(v) for k, v in self.floor.items()})
             self.log_metrics(met)
-            if self.figures_due() and self.summary_writer() is not None:
+            if self.figures_now():
                 self._log_figures(batch, A)
         return loss
 

@@ -2,6 +2,7 @@
 its members run their own steps, to float rounding where the loss is vmapped), a seed that diverges stops alone
 and keeps its state from before, each seed gets its own TensorBoard run and checkpoint, bad values are refused."""
 import inspect
+from pathlib import Path
 from unittest import mock
 
 import lightning as L
@@ -70,23 +71,25 @@ def test_a_diverged_seed_stops_alone_and_keeps_its_state(tmp_path):
     cli = _fit_with(args + ["--seeds", str(seeds)], _Poison(row=1, at=5))
     stack, log_dir = cli.model, cli.trainer.log_dir
     assert stack.alive == [True, False, True]
-    assert stack.guard.stopped[1] == "diverged: its weights are not finite at step 5"
+    # poisoned after step 5, read at the check after step 6 (log_every_n_steps = 2), judged step by step
+    assert stack.guard.stopped[1] == "diverged: train loss is not finite at step 6"
     w1 = stack.stacked[0].detach()[1]
-    assert torch.isfinite(w1).all()
     saved = torch.load(f"{log_dir}/seed_1/before_divergence.ckpt", weights_only=True)
-    assert torch.equal(saved["state_dict"]["w"], w1)     # held at the state it had before the damage
-    assert saved["global_step"] <= 6
+    assert saved["weights_step"] == 4                   # the last check before the damage
+    assert torch.equal(saved["state_dict"]["w"], w1)     # held there since
+    alone = _alone("noncontrastive_population", tmp_path, 1, 4)
+    torch.testing.assert_close(w1, alone.w.detach(), rtol=1e-10, atol=1e-12)
     for row, seed in ((0, 0), (2, 2)):                    # the others went on, as if alone
         one = _alone("noncontrastive_population", tmp_path, seed, steps)
         torch.testing.assert_close(stack.stacked[0].detach()[row], one.w.detach(), rtol=1e-10, atol=1e-12)
     events = EventAccumulator(f"{log_dir}/seed_2", size_guidance={"scalars": 0}).Reload()
     assert [e.step for e in events.Scalars("train/loss")] == [1, 3, 5, 7]
     assert "hp/final_loss" in events.Tags()["scalars"]
-    assert not (tmp_path / "seed_1" / "last.ckpt").exists()
+    assert not Path(log_dir, "seed_1", "last.ckpt").exists() and Path(log_dir, "seed_0", "last.ckpt").exists()
     # a seed's own checkpoint is a checkpoint of the method: validate reads it
     main(["validate", "--config", "configs/noncontrastive/with_head_population.yaml", *METHODS[
         "noncontrastive_population"][1], "--trainer.logger", "false", "--data.init_args.seed", "2",
-          "--ckpt_path", f"{log_dir}/seed_2/last.ckpt"])
+          "--trainer.default_root_dir", str(tmp_path), "--ckpt_path", f"{log_dir}/seed_2/last.ckpt"])
     # and fit resumes the diverged seed alone from its checkpoint, with a smaller step size
     resumed = make_cli([*_args("noncontrastive_population", tmp_path, steps + 2), "--seed_everything", "1",
                         "--data.init_args.seed", "1", "--model.init_args.lr", "0.01",
@@ -107,8 +110,12 @@ def _fit_with(args: list[str], callback: L.Callback):
 
 
 @pytest.mark.parametrize("argv, words", [
-    (["--seeds", "[1, 1]"], "seeds: must be distinct seeds"),
-    (["--seeds", "[1, x]"], "seeds"),
+    (["--seeds", "[1, 1]"], "seeds: must be a non-empty list of distinct seeds in [0, 2^32), got [1, 1]"),
+    (["--seeds", "[-1]"], "seeds: must be a non-empty list of distinct seeds in [0, 2^32), got [-1]"),
+    (["--seeds", "[]"], "seeds: must be a non-empty list of distinct seeds in [0, 2^32), got []"),
+    (["--seeds", "[1, x]"], "seeds: must be of type"),
+    (["--seeds", "[1, 2]", "--trainer.gradient_clip_val", "1.0"], "trainer.gradient_clip_val: must be null with"),
+    (["--seeds", "[1, 2]", "--trainer.strategy", "ddp_spawn"], "trainer.strategy: must be auto or ddp with"),
 ])
 def test_bad_seeds_are_refused(argv, words, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
@@ -117,13 +124,19 @@ def test_bad_seeds_are_refused(argv, words, tmp_path, capsys):
     assert words in capsys.readouterr().err
 
 
-def test_a_run_of_several_seeds_resumes_where_it_stopped(tmp_path):
+@pytest.mark.parametrize("key", ["contrastive", *[pytest.param(k, marks=pytest.mark.slow) for k in (
+    "mrp_teacher_student", "vit_mae", "noncontrastive_population", "two_layer", "universality")]])
+def test_a_run_of_several_seeds_resumes_where_it_stopped(key, tmp_path, capsys):
     """The run's own last.ckpt holds every seed: 3 steps, then resumed to 6, ends where 6 steps in one go end."""
     seeds = ["--seeds", "[2, 9]"]
-    whole = make_cli([*_args("contrastive", tmp_path / "whole", 6), *seeds]).model
-    first = make_cli([*_args("contrastive", tmp_path / "cut", 3), *seeds])
+    whole = make_cli([*_args(key, tmp_path / "whole", 6), *seeds]).model
+    first = make_cli([*_args(key, tmp_path / "cut", 3), *seeds])
     ckpt = first.trainer.checkpoint_callback.last_model_path
-    resumed = make_cli([*_args("contrastive", tmp_path / "cut", 6), *seeds, "--ckpt_path", ckpt]).model
+    resumed = make_cli([*_args(key, tmp_path / "cut", 6), *seeds, "--ckpt_path", ckpt]).model
     for a, b in zip(whole.stacked, resumed.stacked):
         assert torch.equal(a.detach(), b.detach())
-    assert [m.T1 for m in whole.members] == [m.T1 for m in resumed.members]   # the members' own checkpoint state
+    if key == "contrastive":  # the members' own checkpoint state (their stage clocks)
+        assert [m.T1 for m in whole.members] == [m.T1 for m in resumed.members]
+    with pytest.raises(SystemExit):  # the checkpoint's seeds, in their order, or a clear refusal
+        main([*_args(key, tmp_path / "cut", 6), "--seeds", "[9, 2]", "--ckpt_path", ckpt])
+    assert "seeds: must be the seeds of the checkpoint, [2, 9], in that order, got [9, 2]" in capsys.readouterr().err

@@ -43,6 +43,7 @@ check); the methods and their plain loops are in :mod:`featlearn.bench.step_meth
 from __future__ import annotations
 
 import logging
+import tempfile
 import warnings
 
 import lightning as L
@@ -165,10 +166,10 @@ class _Clock(L.Callback):
     one run, recorded per seed-step) and runs one step of every plain loop after it."""
 
     def __init__(self, spec: Method, results: dict[str, Result], device: torch.device, warmup: int,
-                 variant: str = FEATLEARN, seeds: int = 1):
+                 variant: str = FEATLEARN, seeds: int = 1, loops: dict | None = None):
         self.spec, self.results, self.device, self.warmup = spec, results, device, warmup
         self.variant, self.seeds = variant, seeds
-        self.loops: dict[str, PlainLoop] = {}
+        self.loops: dict[str, PlainLoop] = {} if loops is None else loops  # a later clock goes on with the loops
         self.meter = None
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
@@ -195,7 +196,8 @@ def _timer(spec: Method):
     def time_steps(case: Case, results: list[Result], device: torch.device, rounds: int, warmup: int, seed: int):
         passed = {r.variant: r for r in results if r.passed}
         model, dm = spec.build(seed, spec.dtype, device)
-        if FEATLEARN not in passed:  # a failed featlearn step is not timed: the plain loops take turns alone
+        if FEATLEARN not in passed:  # (then neither are the S-seed variants, built on the same step)
+            passed = {name: r for name, r in passed.items() if not name.startswith(FEATLEARN)}  # a failed featlearn step is not timed: the plain loops take turns alone
             batch, state = spec.first_batch(dm, device, spec.dtype), spec.state(model)
             loops = {name: PlainLoop(spec, dict(state, **{k: v.detach().clone().requires_grad_(v.requires_grad)
                                                            for k, v in state.items() if isinstance(v, torch.Tensor)}),
@@ -207,11 +209,14 @@ def _timer(spec: Method):
                     if i >= warmup:
                         passed[name].record(m.seconds, m.peak_bytes)
             return
-        _fit(model, dm, _Clock(spec, passed, device, warmup), spec, device, warmup + rounds)
+        clock = _Clock(spec, passed, device, warmup)
+        _fit(model, dm, clock, spec, device, warmup + rounds)
         for name in [n for n in passed if n.startswith(f"{FEATLEARN} x")]:  # S seeds in one run, after S = 1
             count = int(name.removeprefix(f"{FEATLEARN} x"))
             stack, data = build_stack(spec, seed, count, spec.dtype, device)
-            _fit(stack, data, _Clock(spec, passed, device, warmup, name, count), spec, device, warmup + rounds)
+            # the plain loops go on stepping between the stack's steps (compiled once; more timed rounds)
+            _fit(stack, data, _Clock(spec, passed, device, warmup, name, count, clock.loops), spec, device,
+                 warmup + rounds)
     return time_steps
 
 
@@ -220,8 +225,10 @@ def _fit(model, dm, clock: _Clock, spec: Method, device: torch.device, steps: in
     chatter = logging.getLogger("lightning.pytorch")
     level = chatter.level
     chatter.setLevel(logging.WARNING)  # the Trainer's banner (accelerators, tips) between the progress lines
+    scratch = tempfile.TemporaryDirectory()  # where a stack writes its seeds' checkpoints
     try:
         trainer = L.Trainer(accelerator="gpu" if device.type == "cuda" else "cpu", devices=1,
+                            default_root_dir=scratch.name,
                             max_steps=steps, max_epochs=-1, logger=False, enable_checkpointing=False,
                             enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                             limit_val_batches=0, log_every_n_steps=spec.log_every, callbacks=[DivergenceGuard(), clock])
@@ -230,6 +237,7 @@ def _fit(model, dm, clock: _Clock, spec: Method, device: torch.device, steps: in
             trainer.fit(model, datamodule=dm)
     finally:
         chatter.setLevel(level)
+        scratch.cleanup()
 
 
 def step_case(spec: Method, device: torch.device, compiled: bool = True, flops: float | None = None,
