@@ -23,7 +23,7 @@ paid once for all seeds and small GEMMs become batched ones:
   and the others go on; the run fails only when every seed has.
 * **Checkpoints.** The run's own checkpoints hold every seed (resume with the same ``--seeds``); at the end
   each seed's final state is written to ``seed_<s>/last.ckpt``, a checkpoint of the method itself
-  (``lightning validate --config CONFIG --ckpt_path .../seed_3/last.ckpt``).
+  (``lightning validate --config CONFIG --data.init_args.seed 3 --ckpt_path .../seed_3/last.ckpt``).
 
 Example:
     >>> from featlearn.datamodules.two_feature_patches import TwoFeaturePatchDataModule

@@ -174,7 +174,8 @@ def test_two_processes_match_one(tmp_path, name):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["noncontrastive_sample", "noncontrastive_population", "universality", "contrastive"])
 def test_several_seeds_in_one_run_on_two_processes_match_one(tmp_path, name):
-    """``--seeds``: each rank runs every seed on its half of each seed's batch (vmap is off: the loss gathers)."""
+    """``--seeds``: each rank runs every seed on its half of each seed's batch (universality's loss gathers the
+    global batch, so its vmap is off on several processes; the population loss reads no batch and stays vmapped)."""
     _check(tmp_path, name, ("--seeds", "[4, 7]"))
 
 

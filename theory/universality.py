@@ -111,7 +111,7 @@ def project_spectral_frobenius(W: torch.Tensor, radius2: float, spec: float = 1.
         raise ConfigError("radius2" if radius2 <= 0 else "spec", "> 0", radius2 if radius2 <= 0 else spec)
     w = W.double()
     U, sigma, Vh = torch.linalg.svd(w, full_matrices=False)
-    t = _shrink_multiplier(sigma, radius2, spec) if frobenius else torch.ones(sigma.shape[:-1], dtype=torch.float64)
+    t = _shrink_multiplier(sigma, radius2, spec) if frobenius else torch.ones(sigma.shape[:-1], dtype=torch.float64, device=sigma.device)
     p = (sigma / t.unsqueeze(-1)).clamp(max=spec)
     return ((U * p.unsqueeze(-2)) @ Vh).to(W.dtype)
 
