@@ -9,9 +9,9 @@ shuffled order, features and samples are functions of its seed), so ``training_s
 Example:
     >>> from featlearn.datamodules.two_feature_patches import TwoFeaturePatchDataModule
     >>> data = SeedStackDataModule([TwoFeaturePatchDataModule(seed=s, dim=8, batch_size=4) for s in (0, 1)], [0, 1])
-    >>> batch = data.on_after_batch_transfer({"index": torch.arange(4), "split": "val"}, 0)
-    >>> [b["x"].shape[0] for b in batch["seeds"]], bool((batch["seeds"][0]["x"] != batch["seeds"][1]["x"]).any())
-    ([4, 4], True)
+    >>> seed0, seed1 = data.on_after_batch_transfer({"index": torch.arange(4), "split": "val"}, 0)["seeds"]
+    >>> len(seed0["x"]), len(seed1["x"]), bool((seed0["x"] != seed1["x"]).any())
+    (4, 4, True)
 """
 from __future__ import annotations
 
