@@ -126,7 +126,7 @@ def module_classes():
         module = importlib.import_module(f"{modules_package.__name__}.{info.name}")
         for _, cls in inspect.getmembers(module, inspect.isclass):
             # abstract bases (no build of their own) are never configured; every method class is
-            if (issubclass(cls, L.LightningModule) and cls.__module__ == module.__name__
+            if (issubclass(cls, FeatureLearningModule) and cls.__module__ == module.__name__
                     and cls.build is not FeatureLearningModule.build):
                 found[cls.__qualname__] = cls
     return found
