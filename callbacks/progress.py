@@ -49,7 +49,9 @@ class StepProgressBar(TQDMProgressBar):
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         step = trainer.global_step
         if loss is not None and (step % max(1, trainer.log_every_n_steps) == 0 or step in (1, trainer.max_steps)):
-            self._loss = float(loss)
+            # several seeds in one run return the sum of their losses: the bar shows their mean
+            seeds = len(pl_module.live) if getattr(pl_module, "judges_seeds", False) else 1
+            self._loss = float(loss) / max(1, seeds)
         now = time.monotonic()
         total = self.total_train_batches or 0
         # at most a few redraws a second: a redraw per step (tqdm's text, the logged metrics' host copies)

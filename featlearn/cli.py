@@ -142,6 +142,9 @@ class FeatlearnCLI(LightningCLI):
         """Build the parameters now, not in ``setup`` once fitting has started, so that a refusal that
         needs the data's sizes (a checkpoint of another size, a pretrained encoder of another width)
         comes before any work; ``attach`` builds once, so ``setup`` then finds the model built."""
+        if self.subcommand is None and self.config.get("seeds") is not None:
+            raise ConfigError("seeds", "given to `lightning fit` only (a CLI built without a subcommand, as the "
+                                       "experiments build theirs, fits one seed)", self.config.get("seeds"))
         if self.subcommand is None or self.datamodule is None:
             return
         self.datamodule.check_devices(self.trainer.world_size)

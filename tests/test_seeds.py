@@ -12,6 +12,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from test_tensorboard_server import METHODS
 
 from featlearn.cli import main, make_cli
+from featlearn.errors import ConfigError
 
 TOLERANCE = {torch.float64: dict(rtol=1e-10, atol=1e-12)}  # float32: torch's defaults (1.3e-6, 1e-5)
 FAST = ("contrastive", "noncontrastive_population")   # one of each path: members' own steps, vmapped loss
@@ -140,3 +141,14 @@ def test_a_run_of_several_seeds_resumes_where_it_stopped(key, tmp_path, capsys):
     with pytest.raises(SystemExit):  # the checkpoint's seeds, in their order, or a clear refusal
         main([*_args(key, tmp_path / "cut", 6), "--seeds", "[9, 2]", "--ckpt_path", ckpt])
     assert "seeds: must be the seeds of the checkpoint, [2, 9], in that order, got [9, 2]" in capsys.readouterr().err
+
+
+def test_the_progress_bar_shows_the_mean_loss_of_the_seeds(tmp_path):
+    args = [a for a in _args("noncontrastive_population", tmp_path) if a not in ("--trainer.enable_progress_bar",
+                                                                                 "false")]
+    cli = make_cli([*args, "--seeds", "[0, 1, 2]"])
+    bar = next(c for c in cli.trainer.callbacks if type(c).__name__ == "StepProgressBar")
+    losses = [float(m.last_loss) for m in cli.model.members]
+    assert bar._loss == pytest.approx(sum(losses) / 3, rel=1e-12) and len(set(losses)) == 3
+    with pytest.raises(ConfigError, match="seeds: must be given to `lightning fit` only"):  # the experiments' CLI
+        make_cli(["--config", "configs/noncontrastive/with_head_population.yaml", "--seeds", "[0, 1]"], run=False)
