@@ -102,7 +102,7 @@ class SeedGuard:
         healthy = set(stack.live)
         for (step, _), (loss, broken, norm) in zip(pending, rows):
             for s in sorted(healthy):
-                reason = self._judge(s, step, {"loss": loss[s], "weight_norm": norm[s]}, broken[s] == 0.0, loss[s])
+                reason = self._judge(s, step, {"loss": loss[s], "weight_norm": norm[s]}, broken[s] == 0.0)
                 if reason is not None:
                     healthy.discard(s)
                     self._stop(s, step, reason)
@@ -115,7 +115,7 @@ class SeedGuard:
             raise DivergenceError("every seed diverged: " + "; ".join(
                 f"seed {stack.seeds[s]} {r.removeprefix('diverged: ')}" for s, r in sorted(self.stopped.items())))
 
-    def _judge(self, s: int, step: int, now: dict, loss_finite: bool, loss: float) -> str | None:
+    def _judge(self, s: int, step: int, now: dict, loss_finite: bool) -> str | None:
         if not loss_finite:
             return f"train loss is not finite at step {step}"
         if not math.isfinite(now["weight_norm"]):

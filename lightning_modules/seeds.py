@@ -104,9 +104,7 @@ class SeedStack(L.LightningModule):
         """Point every member at its rows (detached views: reads see the current weights, in-place writes
         under ``no_grad`` reach the stack). Again after every device move, which replaces the storage."""
         for s, member in enumerate(self.members):
-            for name, leaf in zip(self.names, self.stacked):
-                owner, attr = _owner(member, name)
-                setattr(owner, attr, leaf.detach()[s])
+            _place(member, self._rows(s))
 
     def _apply(self, fn, *args, **kwargs):
         super()._apply(fn, *args, **kwargs)
@@ -114,18 +112,20 @@ class SeedStack(L.LightningModule):
             self._bind()
         return self
 
+    def _rows(self, s: int) -> dict[str, torch.Tensor]:
+        """Seed row ``s`` of every leaf, detached."""
+        return {name: leaf.detach()[s] for name, leaf in zip(self.names, self.stacked)}
+
     @contextlib.contextmanager
     def _rows_with_graph(self, s: int, rows: list[tuple[torch.Tensor, ...]]):
         """Member ``s`` reads its rows of the leaves' ``unbind`` (one per step: its backward stacks every seed's
         gradient once, where a separate ``leaf[s]`` per seed would add S full-size gradients)."""
         member = self.members[s]
         try:
-            for name, leaf_rows in zip(self.names, rows):
-                setattr(*_owner(member, name), leaf_rows[s])
+            _place(member, {name: leaf_rows[s] for name, leaf_rows in zip(self.names, rows)})
             yield member
         finally:
-            for name, leaf in zip(self.names, self.stacked):
-                setattr(*_owner(member, name), leaf.detach()[s])
+            _place(member, self._rows(s))
 
     @property
     def batched(self) -> bool:
@@ -209,8 +209,7 @@ class SeedStack(L.LightningModule):
         """The method's optimizer, built by the first member while it holds the stacked leaves."""
         first = self.members[0]
         try:
-            for name, leaf in zip(self.names, self.stacked):
-                setattr(*_owner(first, name), leaf)  # registers it as the member's parameter
+            _place(first, dict(zip(self.names, self.stacked)))  # Parameters: registered as the member's own
             return first.configure_optimizers()
         finally:
             for name in self.names:
@@ -269,7 +268,7 @@ class SeedStack(L.LightningModule):
             member.on_train_start()
 
     def on_train_end(self) -> None:
-        for s, member in enumerate(self.members):
+        for member in self.members:
             member.on_train_end()
         self.guard.write_final()
 
@@ -323,21 +322,21 @@ def _per_row_hooks(hooks: list[list], grad: torch.Tensor) -> torch.Tensor:
     return torch.stack(rows)
 
 
+def _place(module: torch.nn.Module, weights: dict, buffers: dict | None = None) -> None:
+    """Set ``module``'s dotted weights (plain attributes, or parameters when given ``Parameter``s) and buffers."""
+    for name, tensor in weights.items():
+        setattr(*_owner(module, name), tensor)
+    for name, tensor in (buffers or {}).items():
+        owner, attr = _owner(module, name)
+        owner._buffers[attr] = tensor
+
+
 @contextlib.contextmanager
 def _swapped(module: torch.nn.Module, weights: dict, buffers: dict):
-    """``module`` computes with these weights (plain attributes) and buffers for the duration."""
-    saved_w = {n: getattr(*_owner(module, n)) for n in weights}
-    saved_b = {n: module.get_buffer(n) for n in buffers}
+    """``module`` computes with these weights and buffers for the duration."""
+    saved = ({n: getattr(*_owner(module, n)) for n in weights}, {n: module.get_buffer(n) for n in buffers})
     try:
-        for n, t in weights.items():
-            setattr(*_owner(module, n), t)
-        for n, t in buffers.items():
-            owner, attr = _owner(module, n)
-            owner._buffers[attr] = t
+        _place(module, weights, buffers)
         yield
     finally:
-        for n, t in saved_w.items():
-            setattr(*_owner(module, n), t)
-        for n, t in saved_b.items():
-            owner, attr = _owner(module, n)
-            owner._buffers[attr] = t
+        _place(module, *saved)

@@ -196,8 +196,9 @@ def _timer(spec: Method):
     def time_steps(case: Case, results: list[Result], device: torch.device, rounds: int, warmup: int, seed: int):
         passed = {r.variant: r for r in results if r.passed}
         model, dm = spec.build(seed, spec.dtype, device)
-        if FEATLEARN not in passed:  # (then neither are the S-seed variants, built on the same step)
-            passed = {name: r for name, r in passed.items() if not name.startswith(FEATLEARN)}  # a failed featlearn step is not timed: the plain loops take turns alone
+        if FEATLEARN not in passed:  # a failed featlearn step is not timed: the plain loops take turns alone
+            # (and the S-seed variants, built on the same step, are left out with it)
+            passed = {name: r for name, r in passed.items() if not name.startswith(FEATLEARN)}
             batch, state = spec.first_batch(dm, device, spec.dtype), spec.state(model)
             loops = {name: PlainLoop(spec, dict(state, **{k: v.detach().clone().requires_grad_(v.requires_grad)
                                                            for k, v in state.items() if isinstance(v, torch.Tensor)}),
