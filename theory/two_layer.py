@@ -251,7 +251,7 @@ def mds_embedding(w: torch.Tensor, dims: int = 2) -> torch.Tensor:
     u = w.double() / w.double().norm(dim=1, keepdim=True).clamp_min(1e-300)
     dist2 = (1 - u @ u.T).clamp_min(0) ** 2
     n = dist2.shape[0]
-    centre = torch.eye(n, dtype=dist2.dtype) - 1.0 / n
+    centre = torch.eye(n, dtype=dist2.dtype, device=dist2.device) - 1.0 / n
     gram = -0.5 * centre @ dist2 @ centre
     vals, vecs = torch.linalg.eigh(gram)
     top = vals.flip(0)[:dims].clamp_min(0)

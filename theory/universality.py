@@ -253,7 +253,7 @@ def closed_form_representation(groups: dict, M: torch.Tensor, norms: dict[str, f
         [1.0, 0.5, 0.5, 0.0]
     """
     k = groups["k"]
-    a = torch.zeros(k, dtype=torch.float64)
+    a = torch.zeros(k, dtype=torch.float64, device=M.device)
     a[groups["S"]] = math.sqrt(norms["S"])
     for t, idx in enumerate(groups["P"]):
         a[idx] = math.sqrt(norms[f"P{t}"])

@@ -47,8 +47,8 @@ def ridge_fit(F: torch.Tensor, y: torch.Tensor, lam: float) -> torch.Tensor:
     F, y = F.double(), y.double()
     m, k = F.shape
     if m >= k:
-        return torch.linalg.solve(F.t() @ F + lam * m * torch.eye(k, dtype=F.dtype), F.t() @ y)
-    return F.t() @ torch.linalg.solve(F @ F.t() + lam * m * torch.eye(m, dtype=F.dtype), y)
+        return torch.linalg.solve(F.t() @ F + lam * m * torch.eye(k, dtype=F.dtype, device=F.device), F.t() @ y)
+    return F.t() @ torch.linalg.solve(F @ F.t() + lam * m * torch.eye(m, dtype=F.dtype, device=F.device), y)
 
 
 def ridge_loo_errors(F: torch.Tensor, y: torch.Tensor, lambdas: Sequence[float] = LAMBDA_GRID) -> torch.Tensor:

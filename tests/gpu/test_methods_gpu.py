@@ -10,12 +10,14 @@
   first), rounded to the GPU run's dtype; every floating tensor of the state dict is compared after the step.
   In dry mode the "GPU" run is the CPU in float32 with ``backend="triton"`` (the interpreter): the plumbing of
   the path a GPU run takes.
+  The end-of-run metrics (``final_metrics``) are then computed on the device: same keys as the CPU run's, finite.
 * DDP: two steps of ``Trainer.fit`` with ``strategy=ddp`` on one device (nccl; gloo in dry mode) against the
   same fit without a strategy, from the same module (``DDP_METHODS``).
 * bn sync: the loss and its gradient with ``sync=True`` under a 1-rank group (the statistics gathered and
   merged; ``bn_column_stats`` shares that path).
 """
 import copy
+import math
 import os
 import socket
 import warnings
@@ -147,6 +149,11 @@ def test_step_matches_cpu_float64(gpu_device, name):
         "the step changed no parameter: nothing to compare"
     bad = compare_states(got, want, before, dtype, name)
     assert not bad, f"{name} ({dtype}) on {gpu_device} vs CPU float64: {bad}"
+    # the end-of-run metrics (hp/* and the experiments' tables) on the device: a CPU-made tensor meeting a
+    # CUDA one fails only here (universality's ridge fit did, 2026-11-27)
+    final, final_ref = run.final_metrics(), ref.final_metrics()
+    assert final.keys() == final_ref.keys()
+    assert all(math.isfinite(v) for v in final.values()), f"{name}: non-finite final metrics {final}"
 
 
 # ---------------------------------------------------------------------------------------------------
