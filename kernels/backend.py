@@ -372,8 +372,8 @@ def resolve_backend(backend: str, *tensors: torch.Tensor) -> str:
     """
     check_backend(backend)
     on_cuda = all(t.is_cuda for t in tensors)
-    if backend == "auto":
-        return "triton" if on_cuda else "torch"
+    if backend == "auto":  # under torch.compile (a module's compiled loss) the PyTorch form, which it can trace
+        return "triton" if on_cuda and not torch.compiler.is_compiling() else "torch"
     if backend == "triton" and not on_cuda and not interpreting():
         raise ConfigError("backend", "'torch' or 'auto' for CPU tensors unless TRITON_INTERPRET=1", backend)
     return backend

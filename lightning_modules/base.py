@@ -70,6 +70,15 @@ class FeatureLearningModule(L.LightningModule):
     once (a projection with a leading seed axis); ``finish_step`` then leaves it out when in a stack."""
     step_size_fields: tuple[str, ...] = ("lr",)
     """The ``__init__`` arguments that set the step size, which a divergence message tells the user to lower."""
+    compiled_loss: str | None = None
+    """The method (by name) that ``model.compile`` runs under ``torch.compile``: the step's loss from the
+    weights and the batch, fused ops included (in their PyTorch form), logging outside it. What changes with
+    the step (a schedule's scale) comes in as an argument, never read inside: a value read there is frozen
+    into the compiled code and recompiles it at every step. None: not offered."""
+    compile_pays_after: int | None = None
+    """Training steps after which compiling :attr:`compiled_loss` has repaid its compile time, measured on the
+    CPU at the method's tiny size (docs/performance.md); ``model.compile: null`` compiles runs at least this
+    long. None: never by default (compiling does not pay, or was not measured)."""
 
     def __init__(self):
         super().__init__()
@@ -85,6 +94,7 @@ class FeatureLearningModule(L.LightningModule):
             raise ConfigError("data.class_path", f"{paired.__module__}.{paired.__name__} (the DataModule "
                                                  f"{type(self).__name__} pairs with)",
                               f"{type(dm).__module__}.{type(dm).__name__}")
+        self.compile_wanted(0)  # refuses a compile it cannot do, before any work
         if not self.built:
             self.build(dm)
             self.built = True
@@ -92,6 +102,38 @@ class FeatureLearningModule(L.LightningModule):
 
     def setup(self, stage: str) -> None:
         self.attach(self.trainer.datamodule)
+        device = self.trainer.strategy.root_device.type  # the module moves there after this hook
+        if stage == "fit" and self.compile_wanted(self.trainer.estimated_stepping_batches, device):
+            self.compile_loss()
+
+    def compile_wanted(self, steps: float, device: str = "cpu") -> bool:
+        """Whether a run of ``steps`` training steps compiles the loss: ``model.compile`` if set, else CPU runs at
+        least :attr:`compile_pays_after` steps long (on a GPU the fused Triton kernels stay until a GPU
+        measurement says otherwise). Refuses ``true`` where it is not offered (naming the field).
+
+        Example:
+            >>> class Method(FeatureLearningModule):
+            ...     compiled_loss, compile_pays_after = "loss", 2000
+            >>> Method().compile_wanted(500), Method().compile_wanted(5000)
+            (False, True)
+        """
+        wanted = self.hparams.get("compile")
+        if wanted and self.compiled_loss is None:
+            raise ConfigError("model.compile", f"false or null: {type(self).__name__} offers no compiled loss", wanted)
+        if wanted and self.hparams.get("backend") == "triton":
+            raise ConfigError("model.compile", "false or null with model.backend triton (a compiled loss runs the "
+                                               "fused ops' PyTorch form; torch.compile makes its own kernels)", wanted)
+        if wanted is None:
+            return device == "cpu" and self.compile_pays_after is not None and steps >= self.compile_pays_after
+        return wanted
+
+    def compile_loss(self) -> None:
+        """Replace this module's :attr:`compiled_loss` by its ``torch.compile`` (once). Automatic dynamic: a
+        float argument that changes (a scale) is traced as a symbol after its first change, not recompiled at
+        each value. Backend ``auto`` takes the PyTorch form of the fused ops while it is traced."""
+        name = self.compiled_loss
+        if name is not None and name not in self.__dict__:
+            self.__dict__[name] = torch.compile(getattr(self, name))
 
     def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:
         self.prepare_step(optimizer)

@@ -86,6 +86,7 @@ class ContrastiveModule(FeatureLearningModule):
             operand precision (``ieee`` default: stage-I signals are ~1e-2 relative; ``tf32``/``auto`` for speed).
         probe_ridge: relative ridge of the regression probes. probe_max_samples: cap on probe samples.
         seed: seed of the weight initialisation (independent of the data seed).
+        compile: run the loss under ``torch.compile`` (``null``: when the run is long enough to repay it).
         cr_reference: contrastive regularisation (Shi 2024, Prop. F.9): a checkpoint of this module
             (same width and d1) whose ``w`` (and bias) start the run and stay its reference.
         cr_gamma: the trust-region radius: after every step ``||w - w*||_F <= cr_gamma``
@@ -95,6 +96,7 @@ class ContrastiveModule(FeatureLearningModule):
     # normal runs: weight norm up to 17x over 20 steps (stage II from a tiny init), |loss| up to 1.9x
     blowup_factors = {"loss": 100.0, "weight_norm": 1000.0}
     datamodule_class = SparseCodingDataModule
+    compiled_loss = "contrastive_loss"
 
     def __init__(
         self,
@@ -111,8 +113,7 @@ class ContrastiveModule(FeatureLearningModule):
         bias_reset_step: PositiveInt | None = None,
         clamp_bias_nonneg: bool = False,
         loss_chunk_size: PositiveInt | None = None,
-        backend: Backend = "auto",
-        input_precision: Precision = "ieee",
+        backend: Backend = "auto", compile: bool | None = None, input_precision: Precision = "ieee",
         probe_ridge: NonNegativeFloat = 1e-4,
         probe_max_samples: int_at_least(2) = 8000,  # the probes standardise features over their samples
         seed: int = 0,

@@ -55,6 +55,7 @@ class _MaskedPretraining(MultiViewEncoder):
         mask_seed: seed of the sampled masks (``loss=mc``).
         lr: gradient-descent step size. ``**encoder``: see :class:`MultiViewEncoder`.
     """
+    compiled_loss = "loss"
 
     def __init__(self, theta: KeepProbability = 0.5, loss: Literal["expected", "mc"] = "expected",
                  norm_cap: PositiveFloat | None = None, stop_after_capture: NonNegativeInt | None = 200,
@@ -118,13 +119,25 @@ class TeacherStudentMRP(_MaskedPretraining):
         """Teacher scale at the current step."""
         return teacher_scale(self.theta, self.C_p, self.c_tau, self.global_step, self.q)
 
+    compiled_loss = "scaled_loss"
+
+    @property
+    def compile_pays_after(self) -> int | None:
+        # 2x the measured break-even (docs/performance.md); a run that stops at capture ends long before its
+        # max_steps (hundreds of steps at the tiny size), so it is not counted as long
+        return 3000 if self.stop_after_capture is None else None
+
     def training_step(self, batch, batch_idx):
         if self.theory_due():
             self.log("train/tau", self.tau())  # the same on every rank: no sync
         return super().training_step(batch, batch_idx)
 
     def loss(self, batch) -> torch.Tensor:
-        x, tau = batch["x"], self.tau()
+        return self.scaled_loss(batch, self.tau())
+
+    def scaled_loss(self, batch, tau: float) -> torch.Tensor:
+        """The loss at teacher scale ``tau`` (:attr:`compiled_loss`, which must not read the step)."""
+        x = batch["x"]
         if self.hparams.loss == "expected":
             sums = self.encode(x, teacher_scale=tau, squares=True)
             return teacher_student_expected_loss(sums.student, sums.teacher, sums.squares, self.theta)

@@ -40,6 +40,7 @@ class MultiViewEncoder(FeatureLearningModule):
         sigma0: initial weight std. lr: gradient-descent step size.
         capture_threshold: correlation that counts as captured (default: ``rho``).
         backend: kernel backend (``auto``, ``torch``, ``triton``).
+        compile: run the loss under ``torch.compile`` (``null``: when the run is long enough to repay it).
     """
 
     datamodule_class = MultiViewDataModule
@@ -50,7 +51,7 @@ class MultiViewEncoder(FeatureLearningModule):
 
     def __init__(self, m: PositiveInt = 3, q: int_at_least(2) = 3, rho: PositiveFloat = 0.25,
                  sigma0: PositiveFloat = 0.02, lr: PositiveFloat = 1.0, capture_threshold: PositiveFloat | None = None,
-                 backend: Backend = "auto"):
+                 backend: Backend = "auto", compile: bool | None = None):
         check_args("model", MultiViewEncoder.__init__, locals())
         super().__init__()
         # Lightning collects the arguments of every __init__ up the call chain, so subclasses' are saved too

@@ -90,9 +90,11 @@ class NonContrastiveModule(FeatureLearningModule):
         lucky_first: permute the neurons at init so neuron 0 has the largest |<w_j, v1>| (the lucky
             neuron of Wen & Li 2022, Lemma B.1).
         backend: kernel backend for encoder and loss.
+        compile: run the loss under ``torch.compile`` (``null``: when the run is long enough to repay it).
     """
 
     datamodule_class = TwoFeaturePatchDataModule
+    compiled_loss = "seed_loss"
     # the loss is bounded (in [0, 4]); normal runs change the weight norm by < 1% over 20 steps
     blowup_factors = {"loss": None, "weight_norm": 10.0}
 
@@ -113,6 +115,7 @@ class NonContrastiveModule(FeatureLearningModule):
         init_std: PositiveFloat | None = None,
         lucky_first: bool = True,
         backend: Backend = "auto",
+        compile: bool | None = None,
     ):
         check_args("model", NonContrastiveModule.__init__, locals())
         super().__init__()

@@ -72,6 +72,9 @@ class SeedStack(L.LightningModule):
         if own:
             raise ConfigError("seeds", f"a method whose Lightning hooks a stack forwards ({type(members[0]).__name__} "
                                        f"overrides {', '.join(own)}): train its seeds one run each", seeds)
+        if members[0].hparams.get("compile"):  # a member's loss reads row views that change each step
+            raise ConfigError("model.compile", "false or null with --seeds (several seeds in one run are not "
+                                               "compiled)", True)
         self.seeds = [int(s) for s in seeds]
         self.members = torch.nn.ModuleList(members)
         first = members[0]

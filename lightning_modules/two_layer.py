@@ -71,10 +71,12 @@ class TwoLayerBase(FeatureLearningModule):
         sigma_w, sigma_b, sigma_a: init stds (None: 1/k, 1/k^2, sigma~^2/(gamma k^2)).
         class_weighted: weight the hinge by 1/(2 Pr[y = v]) in steps 1-2 (the general setting, App. A.8).
         init_seed: seed of the initialisation (None: the data seed). backend: the op's (``auto``: Triton on CUDA).
+        compile: run the loss under ``torch.compile`` (``null``: when the run is long enough to repay it).
         input_precision: the op's GEMM precision on a GPU (``ieee`` default: w^(1) is ~1e-8 of b).
     """
 
     datamodule_class = StructuredParityDataModule
+    compiled_loss = "stage_loss"
     heatmap_axes = ("neuron", "relevant pattern")
     # steps 1-2 replace the weights by gradients: the norm changes by orders of magnitude by design
     blowup_factors = {"loss": None, "weight_norm": None}
@@ -86,19 +88,14 @@ class TwoLayerBase(FeatureLearningModule):
         self,
         width: PositiveInt = 300,
         schedule: Literal["A20", "A17", "A28", "plain"] = "A20",
-        lr1_mult: PositiveFloat = 1.0,
-        smoothing_mult: NonNegativeFloat = 1.0,
-        lr3_mult: NonNegativeFloat = 1.0,
-        reg3_mult: NonNegativeFloat = 1.0,
+        lr1_mult: PositiveFloat = 1.0, smoothing_mult: NonNegativeFloat = 1.0,
+        lr3_mult: NonNegativeFloat = 1.0, reg3_mult: NonNegativeFloat = 1.0,
         lr3a_mult: PositiveFloat | None = None,
         steps: PositiveInt | None = None,
-        sigma_w: PositiveFloat | None = None,
-        sigma_b: NonNegativeFloat | None = None,
-        sigma_a: PositiveFloat | None = None,
+        sigma_w: PositiveFloat | None = None, sigma_b: NonNegativeFloat | None = None, sigma_a: PositiveFloat | None = None,
         class_weighted: bool = False,
         init_seed: int | None = None,
-        backend: Backend = "auto",
-        input_precision: Precision = "ieee",
+        backend: Backend = "auto", compile: bool | None = None, input_precision: Precision = "ieee",
     ):
         check_args("model", TwoLayerBase.__init__, locals())
         super().__init__()
@@ -223,10 +220,14 @@ class TwoLayerBase(FeatureLearningModule):
 
     def batch_loss(self, batch: dict[str, torch.Tensor], step: int) -> torch.Tensor:
         sched = self.schedule_at(step)
+        return self.stage_loss(batch, sched["smoothing"], self.class_weighted and sched["stage"] < 3)
+
+    def stage_loss(self, batch: dict[str, torch.Tensor], smoothing: float, weighted: bool) -> torch.Tensor:
+        """The hinge loss at one stage's smoothing and class weighting (:attr:`compiled_loss`: a few values)."""
         y = batch["y"]
-        g = self(batch["x"], sched["smoothing"])
+        g = self(batch["x"], smoothing)
         weight = None
-        if self.class_weighted and sched["stage"] < 3:
+        if weighted:
             pos, neg = self.class_weights
             weight = torch.where(y > 0, torch.full_like(y, pos), torch.full_like(y, neg))
         return hinge(y * g, weight)

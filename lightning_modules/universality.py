@@ -102,9 +102,11 @@ class LinearContrastive(FeatureLearningModule):
         cr_frobenius_cap: keep ``||W||_F <= sqrt(r)`` in ``cr`` mode too (an ablation; off in Prop F.9).
         probe_repeats: labelled sets (of ``num_val`` samples each) averaged in the final downstream errors.
         seed: seed of the initialisation.
+        compile: run the loss under ``torch.compile`` (``null``: when the run is long enough to repay it).
     """
 
     datamodule_class = HiddenRepresentationDataModule
+    compiled_loss = "seed_loss"
     # the projection bounds ||W||_F by sqrt(r) (sqrt(r) + gamma in cr mode): nothing can blow up
     blowup_factors = {"loss": None, "weight_norm": None}
     heatmap_axes = ("representation unit", "latent feature (S, P_1..P_T, U)")
@@ -122,6 +124,7 @@ class LinearContrastive(FeatureLearningModule):
         cr_frobenius_cap: bool = False,
         probe_repeats: PositiveInt = 10,
         seed: int = 0,
+        compile: bool | None = None,
     ):
         check_args("model", LinearContrastive.__init__, locals())
         super().__init__()

@@ -93,8 +93,11 @@ class ViTCL(GlobalLocalViT):
         pooling: ``op`` (the fused op, then the mean over queries), ``pooled`` (the column-mean form in
             PyTorch) or ``auto`` (``op`` when the op runs on Triton, else ``pooled``).
         backend: backend of the fused op (``auto``: Triton on CUDA).
+        compile: run the loss under ``torch.compile`` (``null``: when the run is long enough to repay it).
         input_precision: its Triton dot precision (``ieee`` default; ``tf32`` for speed).
     """
+    compiled_loss = "batch_loss"
+    compile_pays_after = 3000  # 2x the measured break-even (docs/performance.md)
 
     def __init__(
         self,
@@ -104,6 +107,7 @@ class ViTCL(GlobalLocalViT):
         weight_decay: NonNegativeFloat = 0.0,
         pooling: Literal["auto", "op", "pooled"] = "auto",
         backend: Backend = "auto",
+        compile: bool | None = None,
         input_precision: Precision = "ieee",
     ):
         check_args("model", ViTCL.__init__, locals())

@@ -61,9 +61,11 @@ class ViTMAE(GlobalLocalViT):
         path: ``structured`` (exact reduced parameters, CPU default) or ``dense`` (``Q [d, d]``, fused op).
         masked_keys: ``include`` (the paper) or ``exclude`` (ablation: masked keys leave the softmax).
         backend: backend of the fused op on the dense path (``auto``: Triton on CUDA).
+        compile: run the loss under ``torch.compile`` (``null``: when the run is long enough to repay it).
         input_precision: its Triton dot precision (``ieee`` default: the correlations must match the
             structured path; ``tf32`` for speed).
     """
+    compiled_loss = "batch_loss"
 
     GEMM_MAX_AREAS = 32  # the structured path's form: GEMMs up to this many areas, gather/scatter above
 
@@ -74,6 +76,7 @@ class ViTMAE(GlobalLocalViT):
         path: Literal["structured", "dense"] = "structured",
         masked_keys: Literal["include", "exclude"] = "include",
         backend: Backend = "auto",
+        compile: bool | None = None,
         input_precision: Precision = "ieee",
     ):
         check_args("model", ViTMAE.__init__, locals())

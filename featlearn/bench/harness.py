@@ -392,7 +392,7 @@ def table(results: list[Result], header: str, ceilings: dict[str, float] | None 
              "| TFLOP/s | % GEMM ceiling | GB/s | % copy ceiling | peak MiB |",
              "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
-        status = f"ok {r.error:.0e}" if r.passed else f"FAILED ({r.note})"
+        status = (f"ok {r.error:.0e}" + (f"; {r.note}" if r.note else "")) if r.passed else f"FAILED ({r.note})"
         vs_e, vs_c = rs.get((r.case, r.shape, r.variant), (float("nan"), float("nan")))
         tf, f_gemm, gbs, f_copy = rates(r, ceilings or {})
         peak = "n/a" if r.peak_bytes is None else f"{r.peak_bytes / 2**20:.1f}"

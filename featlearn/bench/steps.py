@@ -11,6 +11,9 @@ from the method's definition and ``torch.compile`` of that loop.
   hand-written loop calling ``training_step``, because that is what a run costs: the Trainer's per-step
   work is part of a featlearn step, and without a Trainer the modules compute their theory metrics on
   every step. The plain loops run one step each inside the same callback, so the three are interleaved.
+* ``featlearn compiled``: the same with ``model.compile: true`` (the module's loss under ``torch.compile``),
+  after the ``featlearn`` run; its note gives the compile time (its first step less a step) and the steps
+  after which the compile has paid for itself against ``featlearn`` (a cold compile: torch's caches empty).
 * ``plain eager``: the method's step in ~30 lines of PyTorch (one GEMM per branch; the stop-gradient branch
   from the same product where the method allows), SGD by hand and the method's step-finishing work
   (:mod:`featlearn.bench.step_methods`, one :class:`~featlearn.bench.step_methods.Method` per method).
@@ -42,7 +45,9 @@ check); the methods and their plain loops are in :mod:`featlearn.bench.step_meth
 """
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import tempfile
 import warnings
 
@@ -63,6 +68,7 @@ from featlearn.lightning_modules.seeds import SeedStack
 
 __all__ = ["METHODS", "SIZES", "GPU_METHODS", "cases", "step_case"]
 FEATLEARN = "featlearn"
+FEATLEARN_COMPILED = "featlearn compiled"  # model.compile: true (the module's loss under torch.compile)
 SIZES = (*step_methods.SIZES, "gpu")
 GPU_METHODS = ("mrp", "contrastive")
 COMPILED_AT_GPU = ()
@@ -132,12 +138,14 @@ def module_step(model, batch) -> None:
 
 
 def featlearn_one_step(spec: Method, seed: int, device: torch.device, dtype: torch.dtype,
-                       seeds: int = 1) -> tuple[torch.Tensor, ...]:
+                       seeds: int = 1, compiled: bool = False) -> tuple[torch.Tensor, ...]:
     """One step through the module's own ``optimizer_step`` hook (the one the Trainer calls); with ``seeds`` > 1,
     of a :class:`~featlearn.lightning_modules.seeds.SeedStack` of seeds ``seed, seed + 1, ...``, whose first
-    seed's weights are returned."""
+    seed's weights are returned; ``compiled``: with the module's loss compiled (``model.compile: true``)."""
     if seeds == 1:
         model, dm = spec.build(seed, dtype, device)
+        if compiled:
+            model.compile_loss()
         module_step(model, spec.first_batch(dm, device, dtype))
         return tuple(getattr(model, k).detach() for k in spec.trained)
     stack, data = build_stack(spec, seed, seeds, dtype, device)
@@ -169,6 +177,7 @@ class _Clock(L.Callback):
                  variant: str = FEATLEARN, seeds: int = 1, loops: dict | None = None):
         self.spec, self.results, self.device, self.warmup = spec, results, device, warmup
         self.variant, self.seeds = variant, seeds
+        self.first_step_s: float | None = None  # the first step's time (a compiled loss: its compile)
         self.loops: dict[str, PlainLoop] = {} if loops is None else loops  # a later clock goes on with the loops
         self.meter = None
 
@@ -182,6 +191,8 @@ class _Clock(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.meter.__exit__(None, None, None)
+        if self.first_step_s is None:
+            self.first_step_s = self.meter.seconds
         timed = trainer.global_step > self.warmup
         if timed and self.variant in self.results:
             self.results[self.variant].record(self.meter.seconds / self.seeds, self.meter.peak_bytes)
@@ -212,6 +223,13 @@ def _timer(spec: Method):
             return
         clock = _Clock(spec, passed, device, warmup)
         _fit(model, dm, clock, spec, device, warmup + rounds)
+        if FEATLEARN_COMPILED in passed:  # after S = 1; the compile is in its first (warm-up) step
+            model, dm = spec.build(seed, spec.dtype, device)
+            model.compile_loss()
+            compiled = _Clock(spec, passed, device, max(warmup, 2), FEATLEARN_COMPILED, 1, clock.loops)
+            with _cold_compile():
+                _fit(model, dm, compiled, spec, device, max(warmup, 2) + rounds)
+            passed[FEATLEARN_COMPILED].note = _repays(compiled.first_step_s, passed[FEATLEARN], passed[FEATLEARN_COMPILED])
         for name in [n for n in passed if n.startswith(f"{FEATLEARN} x")]:  # S seeds in one run, after S = 1
             count = int(name.removeprefix(f"{FEATLEARN} x"))
             stack, data = build_stack(spec, seed, count, spec.dtype, device)
@@ -219,6 +237,33 @@ def _timer(spec: Method):
             _fit(stack, data, _Clock(spec, passed, device, warmup, name, count, clock.loops), spec, device,
                  warmup + rounds)
     return time_steps
+
+
+@contextlib.contextmanager
+def _cold_compile():
+    """A compile without torch's caches: dynamo's in-memory entries dropped (the check compiled the same loss)
+    and inductor's on-disk folder new and empty. A process's first compile pays a few seconds more (inductor's
+    imports and set-up): docs/performance.md gives fresh-process times."""
+    torch._dynamo.reset()
+    before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    with tempfile.TemporaryDirectory() as cache:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
+        try:
+            yield
+        finally:
+            if before is None:
+                os.environ.pop("TORCHINDUCTOR_CACHE_DIR")
+            else:
+                os.environ["TORCHINDUCTOR_CACHE_DIR"] = before
+            torch._dynamo.reset()
+
+
+def _repays(first_step_s: float, eager: Result, compiled: Result) -> str:
+    """The cold compile time (the compiled run's first step less a step) and the steps after which it has paid.
+    Later runs of the same shapes on the machine read the compiled code from torch's on-disk cache: less."""
+    cost = first_step_s - compiled.median_ms / 1e3
+    saved = (eager.median_ms - compiled.median_ms) / 1e3
+    return f"compile {cost:.1f} s, " + (f"repaid after {cost / saved:.0f} steps" if saved > 0 else "never repaid")
 
 
 def _fit(model, dm, clock: _Clock, spec: Method, device: torch.device, steps: int) -> None:
@@ -245,10 +290,10 @@ def step_case(spec: Method, device: torch.device, compiled: bool = True, flops: 
               seeds: tuple[int, ...] = ()) -> Case:
     """The case of one method: featlearn, the plain loops, and ``featlearn xS`` for each S of ``seeds`` (S seeds
     in one run; its times are per seed-step, so its speed-ups compare it with S separate plain loops)."""
-    def variant(compiled: bool | None, count: int = 1):
+    def variant(compiled: bool | None, count: int = 1, module_compiled: bool = False):
         def run(inputs):
             if compiled is None:
-                return featlearn_one_step(spec, inputs["seed"], device, torch.float64, count)
+                return featlearn_one_step(spec, inputs["seed"], device, torch.float64, count, module_compiled)
             return plain_one_step(spec, inputs["seed"], device, torch.float64, compiled)
         return run
 
@@ -259,6 +304,8 @@ def step_case(spec: Method, device: torch.device, compiled: bool = True, flops: 
 
     return Case(spec.name, f"{spec.shape()}, {str(spec.dtype).removeprefix('torch.')}",
                 [Variant(FEATLEARN, variant(None), precision),
+                 *([Variant(FEATLEARN_COMPILED, variant(None, module_compiled=True), precision)]
+                   if compiled and spec.model.compiled_loss is not None else []),
                  *[Variant(f"{FEATLEARN} x{n}", variant(None, n), precision) for n in seeds if n > 1],
                  Variant(EAGER, variant(False), precision),
                  *([Variant(COMPILED, variant(True), precision)] if compiled else [])],
