@@ -1,0 +1,142 @@
+"""Dissertation Ch. 4 (k-input modular addition): the sampler against what it states (the split, the labels,
+every training tuple once per epoch across ranks), the closed-form margin, and the spectral metrics on planted
+cosine neurons."""
+import math
+
+import pytest
+import torch
+
+from featlearn.datamodules.modular_addition import ModularAdditionDataModule, decode, fourier_modes, is_prime
+from featlearn.datamodules.rng import index_permutation
+from featlearn.errors import ConfigError
+from featlearn.theory.modular_addition import (frequency_coverage, gamma_star, margins, neuron_spectra,
+                                               norm_2_kplus1, spectrum)
+
+
+# ---- the enumeration and its split ----------------------------------------------------------------------
+@pytest.mark.parametrize("n", [1, 2, 3, 17, 1000, 12167, 2 ** 16 + 1])
+def test_index_permutation_is_a_bijection_and_inverts(n):
+    i = torch.arange(n)
+    perm = index_permutation(11, 3, i, n)
+    assert torch.equal(torch.sort(perm).values, i)
+    assert torch.equal(index_permutation(11, 3, perm, n, inverse=True), i)
+
+
+def test_index_permutation_is_uniform_over_seeds():
+    # where 0 and 1 go, over 6000 seeds: 30 ordered pairs, each 1/30 (chi-square, 29 dof, p = 0.001 at 58.3)
+    n, seeds = 6, 6000
+    pairs = torch.stack([index_permutation(s, 1, torch.tensor([0, 1]), n) for s in range(seeds)])
+    counts = torch.bincount(pairs[:, 0] * n + pairs[:, 1], minlength=n * n).double()
+    counts = counts[counts > 0]
+    assert len(counts) == n * (n - 1)
+    expected = seeds / (n * (n - 1))
+    assert float(((counts - expected) ** 2 / expected).sum()) < 58.3
+
+
+@pytest.mark.parametrize("k, p, fraction", [(2, 11, 0.5), (3, 7, 0.3), (4, 5, 0.9)])
+def test_the_split_is_exact_disjoint_and_covers_every_tuple(k, p, fraction):
+    dm = ModularAdditionDataModule(k=k, p=p, train_fraction=fraction, batch_size=None, seed=4)
+    total = p ** k
+    train = dm.tuple_index(torch.arange(dm.sizes["train"]), "train")
+    test = dm.tuple_index(torch.arange(dm.sizes["test"]), "test")
+    assert dm.sizes["train"] == round(fraction * total) and dm.sizes["val"] == dm.sizes["test"] == total - len(train)
+    assert torch.equal(torch.sort(torch.cat([train, test])).values, torch.arange(total))
+    for split in ("train", "val", "test"):
+        b = dm.batch(torch.arange(dm.sizes[split]), split)
+        assert torch.equal(b["y"], b["a"].sum(1) % p) and int(b["a"].min()) >= 0 and int(b["a"].max()) < p
+
+
+def test_the_split_depends_on_the_seed_only():
+    a = ModularAdditionDataModule(k=3, p=7, batch_size=8, seed=1)
+    b = ModularAdditionDataModule(k=3, p=7, batch_size=64, seed=1, shuffle=False)
+    c = ModularAdditionDataModule(k=3, p=7, batch_size=8, seed=2)
+    index = torch.arange(a.sizes["train"])
+    assert torch.equal(a.tuple_index(index, "train"), b.tuple_index(index, "train"))
+    assert not torch.equal(a.tuple_index(index, "train"), c.tuple_index(index, "train"))
+
+
+def test_each_input_is_uniform_over_the_training_split():
+    # a uniformly random half of Z_11^3: each digit of each position near 1/11 of the tuples
+    dm = ModularAdditionDataModule(k=3, p=11, batch_size=None, seed=0)
+    a = dm.batch(torch.arange(dm.sizes["train"]), "train")["a"]
+    counts = torch.stack([torch.bincount(a[:, j], minlength=11) for j in range(3)]).double()
+    expected = len(a) / 11
+    # chi-square per position, 10 dof: p = 0.001 at 29.6 (a random half of the tuples is not exactly uniform)
+    assert float(((counts - expected) ** 2 / expected).sum(1).max()) < 29.6
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_every_training_tuple_once_per_epoch_across_ranks(world):
+    dm = ModularAdditionDataModule(k=2, p=11, batch_size=60 // world // 2, seed=5)  # 60 train tuples, 2 steps
+    steps = dm._steps_per_data_epoch(world)
+    assert steps * dm.batch_size * world == dm.sizes["train"]
+    for epoch in range(2):
+        seen = torch.cat([dm._minibatch_index(torch.arange(dm.batch_size), epoch * steps + s, r, world)
+                          for s in range(steps) for r in range(world)])
+        assert torch.equal(torch.sort(seen).values, torch.arange(dm.sizes["train"]))
+
+
+@pytest.mark.parametrize("args, field", [
+    (dict(p=9), "data.p"), (dict(p=2), "data.p"), (dict(k=1), "data.k"),
+    (dict(train_fraction=1.0), "data.train_fraction"),
+    (dict(train_fraction=0.0), "data.train_fraction"), (dict(k=2, p=3, batch_size=8), "data.batch_size"),
+])
+def test_bad_values_are_refused_naming_the_field(args, field):
+    with pytest.raises(ConfigError) as err:
+        ModularAdditionDataModule(**args)
+    assert err.value.field == field
+
+
+def test_decode_is_mixed_radix_and_the_features_are_an_orthonormal_fourier_basis():
+    t = torch.arange(7 ** 3)
+    a = decode(t, 3, 7)
+    assert torch.equal(a[:, 0] + 7 * a[:, 1] + 49 * a[:, 2], t)
+    F = fourier_modes(11)
+    assert torch.allclose(F @ F.T, torch.eye(10, dtype=torch.float64))
+    assert float(F.sum(1).abs().max()) < 1e-12  # no constant component
+    assert [q for q in range(2, 30) if is_prime(q)] == [2, 3, 5, 7, 11, 13, 17, 19, 23, 29]
+
+
+# ---- theory ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("k, p, value", [(3, 97, 2.01e-5), (4, 47, 1.02e-5), (5, 23, 1.19e-5), (4, 31, 2.93e-5),
+                                        (3, 61, 5.12e-5), (5, 17, 3.00e-5), (2, 97, 2.88e-4)])
+def test_gamma_star_matches_the_spec_values(k, p, value):
+    assert gamma_star(k, p) == pytest.approx(value, rel=6e-3)  # the spec prints three digits
+
+
+def test_the_norm_and_margins_follow_their_definitions():
+    U, W = torch.randn(3, 5, 4, dtype=torch.float64), torch.randn(4, 5, dtype=torch.float64)
+    per = [math.sqrt(float(U[:, :, i].square().sum() + W[i].square().sum())) for i in range(4)]
+    assert float(norm_2_kplus1(U, W)) == pytest.approx(sum(v ** 4 for v in per) ** 0.25, rel=1e-12)
+    logits = torch.randn(50, 5, dtype=torch.float64)
+    y = torch.randint(0, 5, (50,))
+    want = [float(logits[n, y[n]] - max(logits[n, c] for c in range(5) if c != y[n])) for n in range(50)]
+    assert margins(logits, y).tolist() == pytest.approx(want, abs=1e-12)
+
+
+@pytest.mark.parametrize("p", [7, 23])
+def test_planted_cosine_neurons_score_power_one_with_their_frequency_and_phase(p):
+    gen = torch.Generator().manual_seed(p)
+    k, m = 3, 12
+    zeta = torch.randint(1, (p - 1) // 2 + 1, (m,), generator=gen)
+    z = zeta.double()  # the angles in float64 (an int tensor times a float is float32)
+    phases = (torch.rand(k, m, generator=gen, dtype=torch.float64) * 2 - 1) * math.pi
+    beta = torch.rand(m, generator=gen, dtype=torch.float64) + 0.5
+    a = torch.arange(p, dtype=torch.float64)
+    U = beta * torch.cos(phases[:, None, :] + 2 * math.pi * z * a[:, None] / p)  # [k, p, m]
+    W = (beta * torch.cos(phases.sum(0) + 2 * math.pi * z * a[:, None] / p)).T  # phases sum: residual 0
+    s = neuron_spectra(U, W)
+    assert torch.allclose(s["power"], torch.ones(m, dtype=torch.float64), atol=1e-12)
+    assert bool(s["shared"].all()) and torch.equal(s["frequency"], zeta)
+    assert float(s["phase_residual"].abs().max()) < 1e-9
+    one = spectrum(U[0].T)
+    assert torch.allclose(torch.cos(one["phase"] - phases[0]), torch.ones(m, dtype=torch.float64))
+    # a mixed neuron: power below 1, and a broken phase sum shows in the residual
+    W2 = W.clone()
+    W2[0] = beta[0] * torch.cos(phases[:, 0].sum() + 1.0 + 2 * math.pi * z[0] * a / p)
+    U2 = U.clone()
+    U2[0, :, 1] += 0.5 * torch.cos(2 * math.pi * (zeta[1] % ((p - 1) // 2) + 1) * a / p)
+    s2 = neuron_spectra(U2, W2)
+    assert float(s2["phase_residual"][0]) == pytest.approx(-1.0, abs=1e-9)
+    assert float(s2["power"][1]) < 0.9
+    assert frequency_coverage(zeta, p).tolist() == [int((zeta == z).sum()) for z in range(1, (p - 1) // 2 + 1)]

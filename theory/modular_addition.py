@@ -1,0 +1,106 @@
+"""Fourier circuits for k-input modular addition (Li, Liang, Shi, Song, Zhou 2024, arXiv:2402.09469; Shi's
+dissertation, Ch. 4): the closed-form maximum margin and the spectral quantities its theorems predict.
+
+The network ``f(theta, a) = sum_i (sum_j u_{i,j}[a_j])^k w_i`` (Eq. 4.2) is (k+1)-homogeneous in
+``theta_i = (u_{i,1}, ..., u_{i,k}, w_i)``. Its margin on a tuple is the correct logit minus the largest wrong
+one; the normalised margin divides the smallest margin over all ``p^k`` tuples by ``||theta||_{2,k+1}^{k+1}``
+with ``||theta||_{2,k+1} = (sum_i ||theta_i||_2^{k+1})^{1/(k+1)}`` (Def. 4.1, 4.4). Lemma 4.10 gives its maximum
+over the network class, :func:`gamma_star`; Theorem 4.9 says that a network of width ``m >= 2^{2k-1}(p-1)/2``
+attaining it has every neuron on one frequency ``zeta``: ``u_{i,j}[a] = beta cos(theta_{u_j} + 2 pi zeta a / p)``,
+``w_i[c] = beta cos(theta_w + 2 pi zeta c / p)`` with ``theta_{u_1} + ... + theta_{u_k} = theta_w``, and every
+frequency used.
+
+Example:
+    >>> f"{gamma_star(3, 97):.3g}", f"{gamma_star(4, 47):.3g}"
+    ('2.01e-05', '1.02e-05')
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def gamma_star(k: int, p: int) -> float:
+    """The maximum normalised margin ``2 k! / ((2k+2)^{(k+1)/2} (p-1) p^{(k-1)/2})`` (Lemma 4.10)."""
+    return 2 * math.factorial(k) / ((2 * k + 2) ** ((k + 1) / 2) * (p - 1) * p ** ((k - 1) / 2))
+
+
+def norm_2_kplus1(U: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
+    """``||theta||_{2,k+1}`` of embeddings ``U`` ``[k, p, m]`` and output weights ``W`` ``[m, p]`` (Def. 4.1).
+
+    Example:
+        >>> float(norm_2_kplus1(torch.ones(2, 3, 1), torch.ones(1, 3)) ** 3)  # one neuron, ||theta_1||^2 = 9
+        27.0
+    """
+    k = U.shape[0]
+    per_neuron = (U.square().sum((0, 1)) + W.square().sum(1)).sqrt()
+    return per_neuron.pow(k + 1).sum().pow(1.0 / (k + 1))
+
+
+def margins(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Each row's correct logit minus its largest wrong one ``[N]``.
+
+    Example:
+        >>> margins(torch.tensor([[3.0, 1.0, 2.0]]), torch.tensor([0])).tolist()
+        [1.0]
+    """
+    correct = logits.gather(1, y.unsqueeze(1)).squeeze(1)
+    wrong = logits.scatter(1, y.unsqueeze(1), float("-inf")).amax(1)
+    return correct - wrong
+
+
+def spectrum(vectors: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One-sided spectrum of vectors over their last axis (length ``p``, odd): per vector the dominant
+    frequency ``zeta`` in ``1 .. (p-1)/2`` (the constant term excluded), its share of the total power (the
+    constant term included: a pure cosine scores 1, an offset lowers it) and its phase ``theta`` in
+    ``(-pi, pi]``, so that ``v[a] = beta cos(theta + 2 pi zeta a / p)`` for a pure cosine.
+
+    Example:
+        >>> a = torch.arange(7, dtype=torch.float64)
+        >>> s = spectrum(torch.cos(0.5 + 2 * math.pi * 3 * a / 7))
+        >>> int(s["frequency"]), round(float(s["power"]), 6), round(float(s["phase"]), 6)
+        (3, 1.0, 0.5)
+    """
+    coeffs = torch.fft.rfft(vectors.double(), dim=-1)
+    power = coeffs.abs().square()
+    power[..., 1:] *= 2  # one-sided: each nonzero frequency holds its mirror's power too
+    if vectors.shape[-1] % 2 == 0:
+        power[..., -1] /= 2  # the Nyquist term has no mirror
+    best = power[..., 1:].argmax(-1) + 1
+    share = power.gather(-1, best.unsqueeze(-1)).squeeze(-1) / power.sum(-1).clamp_min(1e-300)
+    phase = coeffs.gather(-1, best.unsqueeze(-1)).squeeze(-1).angle()
+    return {"frequency": best, "power": share, "phase": phase}
+
+
+def neuron_spectra(U: torch.Tensor, W: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per neuron (``U`` ``[k, p, m]``, ``W`` ``[m, p]``): the smallest max-normalised power over its ``k + 1``
+    vectors (``power`` ``[m]``), whether they share one dominant frequency (``shared`` ``[m]``, bool), that
+    frequency (``frequency``: ``w_i``'s), and the phase residual ``theta_{u_1} + ... + theta_{u_k} - theta_w``
+    wrapped to ``(-pi, pi]`` (``phase_residual``; Theorem 4.9 predicts 0).
+
+    Example:
+        >>> a = torch.arange(5, dtype=torch.float64)
+        >>> wave = lambda phase: torch.cos(phase + 2 * math.pi * 2 * a / 5)
+        >>> U = torch.stack([wave(0.3), wave(0.4)]).unsqueeze(-1)  # k = 2 inputs, one neuron
+        >>> s = neuron_spectra(U, wave(0.7).unsqueeze(0))
+        >>> bool(s["shared"][0]), int(s["frequency"][0]), abs(float(s["phase_residual"][0])) < 1e-12
+        (True, 2, True)
+    """
+    per_input = spectrum(U.permute(2, 0, 1))  # [m, k]
+    out = spectrum(W)  # [m]
+    freq = torch.cat([per_input["frequency"], out["frequency"].unsqueeze(1)], 1)
+    power = torch.cat([per_input["power"], out["power"].unsqueeze(1)], 1)
+    residual = per_input["phase"].sum(1) - out["phase"]
+    return {"power": power.amin(1), "shared": (freq == freq[:, :1]).all(1), "frequency": out["frequency"],
+            "phase_residual": torch.remainder(residual + math.pi, 2 * math.pi) - math.pi}
+
+
+def frequency_coverage(frequency: torch.Tensor, p: int) -> torch.Tensor:
+    """Neurons per dominant frequency ``1 .. (p-1)/2`` (``[(p-1)/2]``; the chapter predicts every one used).
+
+    Example:
+        >>> frequency_coverage(torch.tensor([1, 1, 3]), 7).tolist()
+        [2, 0, 1]
+    """
+    return torch.bincount(frequency - 1, minlength=(p - 1) // 2)[: (p - 1) // 2]
