@@ -8,7 +8,8 @@ Eq. 4.1): every tuple ``a = (a_1, ..., a_k)`` of ``Z_p^k`` with label ``c = (a_1
   puts tuples ``pi(0), ..., pi(n_train - 1)`` in the training split and the rest in the held-out split, with
   ``n_train`` = ``train_fraction p^k`` rounded to the nearest integer: exactly that many, the chapter's
   "even split" at 0.5. Validation and test are both the held-out split (the chapter evaluates on the other
-  half), served in order and in batches, so every evaluation covers every held-out tuple once.
+  half), served in order and in batches, so every evaluation covers every held-out tuple once; validation
+  also serves the whole training split in order (a second dataloader), for full-split training accuracy.
 * **Training batches** are epochs of the training split in a per-epoch order that is a function of (seed,
   epoch), sliced by rank (the base class's fixed mode), so they do not depend on batch size per device,
   workers or device count.
@@ -28,11 +29,13 @@ Example:
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
+from torch.utils.data import DataLoader
 
 from featlearn.datamodules import rng
-from featlearn.datamodules.base import SyntheticDataModule
+from featlearn.datamodules.base import SyntheticDataModule, _collate, _Indices
 from featlearn.errors import ConfigError
 from featlearn.validation import OpenUnitInterval, PositiveInt, check_args, int_at_least
 
@@ -43,8 +46,8 @@ def is_prime(p: int) -> bool:
     """Trial division (p is at most a few hundred here).
 
     Example:
-        >>> [q for q in range(20) if is_prime(q)]
-        [2, 3, 5, 7, 11, 13, 17, 19]
+        >>> tuple(q for q in range(20) if is_prime(q))
+        (2, 3, 5, 7, 11, 13, 17, 19)
     """
     return p >= 2 and all(p % q for q in range(2, math.isqrt(p) + 1))
 
@@ -121,3 +124,16 @@ class ModularAdditionDataModule(SyntheticDataModule):
     def batch(self, index: torch.Tensor, split: str) -> dict[str, torch.Tensor]:
         # decoded on the fly: cheaper than caching p^k / 2 tuples (1.5e8 at k = 6, p = 23)
         return {**self.sample(index, split), "index": index}
+
+    def val_dataloader(self) -> list[DataLoader]:
+        """The held-out split, then the whole training split in order (a full-split training accuracy and the
+        margin over every tuple), both in batches of ``batch_size``."""
+        n = self.sizes["train"]
+        whole_train = DataLoader(_Indices(n), batch_size=self.batch_size or n, shuffle=False,
+                                 collate_fn=partial(_collate, split="train_full"), num_workers=0)
+        return [self._loader("val"), whole_train]
+
+    def on_after_batch_transfer(self, batch, dataloader_idx: int):
+        if isinstance(batch, dict) and batch.get("split") == "train_full":  # in order, not a training batch
+            return self.batch(batch["index"], "train")
+        return super().on_after_batch_transfer(batch, dataloader_idx)

@@ -3,6 +3,7 @@ from featlearn.kernels.activations import Activation, smoothed_relu, smoothed_re
 from featlearn.kernels.backend import FLOAT_DTYPES, KernelInputError, check_float_inputs
 from featlearn.kernels.infonce import infonce_grad_closed_form, infonce_reference, infonce_stopgrad
 from featlearn.kernels.masked_attention import masked_attention, masked_attention_reference
+from featlearn.kernels.modular_power_mlp import modular_power_mlp, modular_power_mlp_reference
 from featlearn.kernels.bn_cosine_loss import bn_column_stats, bn_cosine_loss, bn_cosine_loss_reference
 from featlearn.kernels.patch_activation_sum import PatchSums, patch_activation_sum, patch_activation_sum_reference
 from featlearn.kernels.smoothed_clamp import (gaussian_smoothed_clamp, gaussian_smoothed_clamp_derivative,
@@ -22,6 +23,8 @@ __all__ = [
     "KernelInputError",
     "masked_attention",
     "masked_attention_reference",
+    "modular_power_mlp",
+    "modular_power_mlp_reference",
     "PatchSums",
     "patch_activation_sum",
     "patch_activation_sum_reference",

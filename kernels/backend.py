@@ -265,13 +265,15 @@ def tile_mode() -> str:
     return mode
 
 
-def autotune(names: tuple[str, ...], gpu_tiles, interpreter_tiles: tuple[int, ...], key: list[str], fits=None):
+def autotune(names: tuple[str, ...], gpu_tiles, interpreter_tiles: tuple[int, ...], key: list[str], fits=None,
+             reset_to_zero: list[str] | None = None):
     """``triton.autotune`` over :func:`autotune_configs`, keyed on ``key`` (name the shapes that change
     the best tile, not the batch size: train, validation and test batches then share one search).
 
     ``fits(config_kwargs, args) -> bool`` drops the configs that cannot serve a call (``args``: the
     launch's arguments by name, constexprs included), e.g. tiles that spill registers in float64; the
-    first row of ``gpu_tiles`` that fits must serve every call. Under ``FEATLEARN_TILES=pinned`` only that
+    first row of ``gpu_tiles`` that fits must serve every call. ``reset_to_zero``: outputs a kernel adds into
+    (atomics), zeroed before each timed config and before the chosen one runs. Under ``FEATLEARN_TILES=pinned`` only that
     first fitting config runs. The returned autotuner keeps ``gpu_configs`` and ``fits`` for the offline
     compile check (``featlearn gpu compile``), which compiles exactly the configs a call may pick.
 
@@ -295,7 +297,7 @@ def autotune(names: tuple[str, ...], gpu_tiles, interpreter_tiles: tuple[int, ..
 
     def decorate(fn):
         tuned = triton.autotune(configs=autotune_configs(names, gpu_tiles, interpreter_tiles), key=key,
-                                prune_configs_by={"early_config_prune": prune})(fn)
+                                prune_configs_by={"early_config_prune": prune}, reset_to_zero=reset_to_zero)(fn)
         tuned.gpu_configs, tuned.fits, tuned.prune_for_call = gpu_configs, fits, prune
         return tuned
     return decorate

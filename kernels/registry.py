@@ -40,4 +40,6 @@ OPS = (
             "masked_attention"),
     FusedOp("smoothed_clamp", "smoothed_clamp_layer", "SmoothedClampFunction", "_smoothed_clamp", frozenset({"B"}),
             "smoothed_clamp"),
+    FusedOp("modular_power_mlp", "modular_power_mlp", "ModularPowerMLPFunction", "_modpow", frozenset({"B"}),
+            "modular_power_mlp"),
 )

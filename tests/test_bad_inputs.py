@@ -105,6 +105,12 @@ CASES = [
     (["vit/cl"], [D + "d", "1000000000"], "data.d"),                    # the memory refusal named data.K
     (["universality/universal"], [D + "T", "1"], "data.T"),             # trained; another task is needed
     (["mrp/teacher_student"], ["--config", "{yaml:model: {init_args: {lr: [1, 2}}}"], "--config"),
+    # ---- issue 24: the modular-addition MLP ---------------------------------------------------------
+    (["modular_addition/mlp"], [D + "p", "21"], "data.p"),             # not prime
+    (["modular_addition/mlp"], [D + "k", "1"], "data.k"),
+    (["modular_addition/mlp"], [D + "train_fraction", "1.0"], "data.train_fraction"),
+    (["modular_addition/mlp"], [M + "width", "1000000000"], "model.width"),  # the memory cannot hold it
+    (["modular_addition/mlp"], [M + "regularizer", "l1"], "model.regularizer"),
 ]
 
 # ---- every field of every module and DataModule, out of range --------------------------------------

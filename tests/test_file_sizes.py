@@ -21,6 +21,7 @@ ALLOWED = {
     "featlearn/gpu/check.py": "the prepared GPU check: its pieces and their orchestration under one time budget",
     "featlearn/gpu/compile.py": "the offline sm_90 check: launch capture, compile workers, report",
     "tests/test_vit_mae.py": "the tests of one module",
+    "tests/gpu/test_ops_gpu.py": "every Triton op against its float64 reference on the GPU, one case table",
     "tests/test_bad_inputs.py": "the refusal contract of every method, one table",
     "tests/test_tensorboard_server.py": "one real TensorBoard server over every method's run, read tab by tab",
 }

@@ -140,3 +140,59 @@ def test_planted_cosine_neurons_score_power_one_with_their_frequency_and_phase(p
     assert float(s2["phase_residual"][0]) == pytest.approx(-1.0, abs=1e-9)
     assert float(s2["power"][1]) < 0.9
     assert frequency_coverage(zeta, p).tolist() == [int((zeta == z).sum()) for z in range(1, (p - 1) // 2 + 1)]
+
+
+# ---- the module -----------------------------------------------------------------------------------------
+def _module(**model):
+    from featlearn.lightning_modules.modular_addition import FourierMLP
+
+    dm = ModularAdditionDataModule(k=3, p=7, batch_size=32, seed=1)
+    return FourierMLP(**{"width": 20, **model}).attach(dm), dm
+
+
+def test_the_module_is_the_chapters_network_and_both_readings_of_lambda():
+    from featlearn.kernels import modular_power_mlp_reference
+
+    model, dm = _module(regularizer="norm", lam=0.1)
+    batch = dm.batch(torch.arange(32), "train")
+    logits = model(batch["a"])
+    U, W = model.U.detach().double(), model.W.detach().double()
+    want = sum(U[j][batch["a"][:, j]] for j in range(3)) ** 3 @ W
+    assert torch.allclose(logits.double(), want, rtol=1e-5, atol=1e-7)
+    assert torch.allclose(want, modular_power_mlp_reference(batch["a"], U, W, 3))
+    loss, _ = model.batch_loss(batch)
+    ce = torch.nn.functional.cross_entropy(logits, batch["y"])
+    assert float(loss) == pytest.approx(float(ce.detach() + 0.1 * norm_2_kplus1(model.U.detach(), model.W.detach())),
+                                        rel=1e-6)
+    decay = {g["weight_decay"] for g in model.configure_optimizers()["optimizer"].param_groups}
+    assert decay == {0.0}  # the penalty reading: no decay on top
+    plain, _ = _module(lam=0.1)
+    assert {g["weight_decay"] for g in plain.configure_optimizers()["optimizer"].param_groups} == {0.1}
+    assert float(plain.batch_loss(batch)[0]) == pytest.approx(float(torch.nn.functional.cross_entropy(
+        plain(batch["a"]), batch["y"])), rel=1e-6)
+
+
+def test_the_width_defaults_to_the_chapters_and_a_width_memory_cannot_hold_is_refused(monkeypatch):
+    from featlearn import validation
+    from featlearn.lightning_modules.modular_addition import FourierMLP
+
+    dm = ModularAdditionDataModule(k=3, p=7, batch_size=32)
+    assert FourierMLP().attach(dm).U.shape == (3, 7, 2 ** 4 * 6)
+    monkeypatch.setattr(validation, "available_memory", lambda device: (1 << 20, "test limit"))
+    with pytest.raises(ConfigError) as err:
+        FourierMLP(width=100_000).attach(ModularAdditionDataModule(k=3, p=7, batch_size=32))
+    assert err.value.field == "model.width" and "small enough to fit in memory" in str(err.value)
+
+
+def test_the_spectral_metrics_of_a_planted_network():
+    # every neuron a pure cosine on one frequency with phases that sum: power 1, one frequency, residual 0
+    model, _ = _module(width=9)
+    a = torch.arange(7, dtype=torch.float64)
+    zeta = torch.tensor([1, 2, 3] * 3, dtype=torch.float64)
+    phases = torch.linspace(-1, 1, 27, dtype=torch.float64).reshape(3, 9)
+    with torch.no_grad():
+        model.U.copy_(torch.cos(phases[:, None, :] + 2 * math.pi * zeta * a[:, None] / 7))
+        model.W.copy_(torch.cos(phases.sum(0) + 2 * math.pi * zeta * a[:, None] / 7).T)
+    m = model.spectral_metrics()
+    assert m["max_power"] == pytest.approx(1.0, abs=1e-6) and m["single_frequency"] == 1.0
+    assert m["phase_residual"] < 1e-5 and m["frequencies_used"] == 1.0

@@ -15,3 +15,4 @@ PATCHES = over(dict(dim=12, num_patches=8, num_feature_patches=2, batch_size=16,
 VIT = dict(P=16, kappa_c=0.75, kappa_s=0.5, batch_size=2, num_val=8, num_test=8)  # the attention op: ~0.1 s a tile
 PARITY = dict(dim=24, num_patterns=12, k=3, batch_size=16, num_train=64, num_val=16, num_test=16)
 HIDDEN = over(dict(T=2, s=2, r=4, u=2, batch_size=32, num_test=16), dict(probe_repeats=1))
+MODADD = over(dict(k=3, p=5, batch_size=16), dict(width=12))

@@ -84,7 +84,7 @@ def neuron_spectra(U: torch.Tensor, W: torch.Tensor) -> dict[str, torch.Tensor]:
         >>> wave = lambda phase: torch.cos(phase + 2 * math.pi * 2 * a / 5)
         >>> U = torch.stack([wave(0.3), wave(0.4)]).unsqueeze(-1)  # k = 2 inputs, one neuron
         >>> s = neuron_spectra(U, wave(0.7).unsqueeze(0))
-        >>> bool(s["shared"][0]), int(s["frequency"][0]), abs(float(s["phase_residual"][0])) < 1e-12
+        >>> bool(s["shared"].all()), int(s["frequency"].sum()), float(s["phase_residual"].abs().max()) < 1e-12
         (True, 2, True)
     """
     per_input = spectrum(U.permute(2, 0, 1))  # [m, k]

@@ -28,6 +28,7 @@ from featlearn.kernels import (Activation, smoothed_relu, bn_cosine_loss, bn_cos
                                infonce_stopgrad, patch_activation_sum, patch_activation_sum_reference,
                                soft_threshold_layer, soft_threshold_reference)
 from featlearn.kernels.masked_attention import masked_attention
+from featlearn.kernels.modular_power_mlp import modular_power_mlp, modular_power_mlp_reference
 from featlearn.kernels.registry import OPS as REGISTRY
 from featlearn.kernels.smoothed_clamp import smoothed_clamp_layer, smoothed_clamp_reference
 
@@ -62,6 +63,11 @@ ATTN = {"smoke": [dict(B=2, P=24, Pq=18, d=40)], "tiny": [dict(B=8, P=256, Pq=19
 CLAMP = {"smoke": dict(B=16, d=24, M=10), "tiny": dict(B=1000, d=500, M=600), "medium": dict(B=50000, d=2000, M=600),
          "gpu": dict(B=50000, d=2000, M=600)}
 CLAMP_S = 0.04
+# modular_power_mlp (Shi 2024, Ch. 4): B tuples of k inputs mod p, m = 2^(2k-2)(p-1) neurons, power k; tiny = a CPU
+# size, medium / gpu = Fig. 4.1's (k, p) = (4, 47) and C.3's (5, 23) at the chapter's batch 1024
+MODPOW = {"smoke": [dict(B=16, k=3, p=7, m=24)], "tiny": [dict(B=1024, k=3, p=23, m=352)],
+          "medium": [dict(B=1024, k=4, p=47, m=2944)], "gpu": [dict(B=1024, k=4, p=47, m=2944),
+                                                            dict(B=1024, k=5, p=23, m=5632)]}
 OPS = tuple(op.bench for op in REGISTRY)  # featlearn/kernels/registry.py
 COMPILED_AT_GPU = ("patch_activation_sum", "soft_threshold", "masked_attention fwd+bwd")
 """The cases that keep a torch.compile variant at ``--size gpu`` (the compile budget, see the docstring)."""
@@ -378,6 +384,39 @@ def clamp_case(size: str, device: torch.device) -> Case:
                 inputs, clamp_eager, flops=4 * B * d * M, bytes=4 * (B * d + 2 * M * d + 2 * M + 2 * B * M))
 
 
+# ------------------------------------------------------------------------------------------------
+def modpow_eager(inp, forward=modular_power_mlp_reference):
+    out = forward(inp["a"], inp["U"], inp["W"], inp["a"].shape[1])
+    return out.detach(), *_grads((out * inp["g"]).sum(), [inp["U"], inp["W"]])
+
+
+def modpow_featlearn(inp, backend, precision="ieee"):
+    out = modular_power_mlp(inp["a"], inp["U"], inp["W"], inp["a"].shape[1], backend=backend, input_precision=precision)
+    return out.detach(), *_grads((out * inp["g"]).sum(), [inp["U"], inp["W"]])
+
+
+def modpow_cases(size: str, device: torch.device) -> list[Case]:
+    cases = []
+    for shape in MODPOW[size]:
+        B, k, p, m = (shape[key] for key in ("B", "k", "p", "m"))
+
+        def inputs(dtype, dev, seed, B=B, k=k, p=p, m=m):
+            g = _gen(seed, dev)  # sums of k embeddings ~ N(0, k/m^(2/k)): the power keeps the logits O(1)
+            scale = m ** (-1.0 / k) / k ** 0.5
+            return {"a": torch.randint(0, p, (B, k), generator=g, device=g.device).to(dev),
+                    "U": _randn(g, k, p, m, dtype=dtype, device=dev, scale=scale).requires_grad_(True),
+                    "W": _randn(g, m, p, dtype=dtype, device=dev).requires_grad_(True),
+                    "g": _randn(g, B, p, dtype=dtype, device=dev)}
+
+        # the forward GEMM and the two backward ones (G W^T, (S^k)^T G); U, W, G read, logits, dU, dW written
+        cases.append(Case("modular_power_mlp", f"B={B} k={k} p={p} m={m}",
+                          _variants(modpow_eager, modular_power_mlp_reference, modpow_featlearn, device,
+                                    _compile(size, "modular_power_mlp")),
+                          inputs, modpow_eager, flops=6 * B * m * p,
+                          bytes=4 * (2 * k * p * m + 2 * m * p + 2 * B * p) + 8 * B * k))
+    return cases
+
+
 def cases(ops: list[str], size: str, device: torch.device) -> list[Case]:
     """The cases of ``ops`` at ``size``, in the order of ``ops``."""
     build = {"patch_activation_sum": lambda: [patch_case(size, device)],
@@ -385,5 +424,6 @@ def cases(ops: list[str], size: str, device: torch.device) -> list[Case]:
              "bn_cosine_loss": lambda: bn_cases(size, device),
              "infonce_stopgrad": lambda: [infonce_case(size, device)],
              "masked_attention": lambda: attn_cases(size, device),
-             "smoothed_clamp": lambda: [clamp_case(size, device)]}
+             "smoothed_clamp": lambda: [clamp_case(size, device)],
+             "modular_power_mlp": lambda: modpow_cases(size, device)}
     return [case for op in ops for case in build[op]()]

@@ -5,7 +5,7 @@ kernel has none.
 
 Example:
     >>> sorted(cases())
-    ['bn_cosine_loss', 'masked_attention', 'patch_activation_sum', 'smoothed_clamp', 'soft_threshold']
+    ['bn_cosine_loss', 'masked_attention', 'modular_power_mlp', 'patch_activation_sum', 'smoothed_clamp', 'soft_threshold']
     >>> cases()["soft_threshold"][0][0]
     'contrastive-medium/fp32-ieee'
 """
@@ -63,6 +63,15 @@ def _bn_cosine(N, M, dtype, out_norm, stop_grad=True):
                    eps=1e-6, sync=False, backend="triton").backward()
 
 
+def _modpow(B, k, p, m, dtype, precision):
+    import torch
+    from featlearn.kernels import modular_power_mlp
+
+    a = torch.empty(B, k, dtype=torch.long, device="meta")
+    modular_power_mlp(a, _t(k, p, m, dtype=dtype, grad=True), _t(m, p, dtype=dtype, grad=True), k, backend="triton",
+                      input_precision=precision).sum().backward()
+
+
 def cases() -> dict:
     """op -> [(case name, call)]: sizes from the methods' configs. Each kernel is built in every
     precision at its method's main size, and in the precisions its methods run at the other sizes (a size
@@ -90,6 +99,12 @@ def cases() -> dict:
         cases["masked_attention"] += [
             (f"vit-mae/{name}", p(_attention, 64, 1024, 768, 1024, 1152, dtype, precision, groups=130)),
             (f"vit-cl/{name}", p(_attention, 64, 256, 256, 0, 256, dtype, precision, shared=False, groups=17))]
+        # dissertation ch. 4: the MLP at the paper's (k, p) with m = 2^(2k-2)(p-1), batch 1024: 47 and 23 classes
+        # (class tiles of 64 and 32, unaligned) and 97 (a 128-wide class tile)
+        cases["modular_power_mlp"] += [
+            (f"ch4-k4-p47/{name}", p(_modpow, 1024, 4, 47, 2944, dtype, precision)),
+            (f"ch4-k3-p97/{name}", p(_modpow, 1024, 3, 97, 1536, dtype, precision)),
+            (f"ch4-k5-p23/{name}", p(_modpow, 1024, 5, 23, 5632, dtype, precision))]
     for name, dtype, precision in ieee_and_fp64:
         # MRP at k = 512, m = 22 (A recomputed in the backward); the non-contrastive encoder (R=2, d=1000, mask,
         # float64); unaligned sizes (d=500, R=30, P=30); padded keys

@@ -33,7 +33,7 @@ from featlearn.bench.steps import module_step
 from featlearn.cli import make_cli
 from featlearn.kernels import bn_cosine_loss
 
-from tiny_sizes import HIDDEN, MRP, PARITY, PATCHES, SPARSE, VIT, over
+from tiny_sizes import HIDDEN, MODADD, MRP, PARITY, PATCHES, SPARSE, VIT, over
 
 pytestmark = pytest.mark.gpu
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -71,6 +71,7 @@ METHODS = {
     "universality": ("universality/universal.yaml", HIDDEN),
     "universality_infonce": ("universality/infonce.yaml", HIDDEN),
     "contrastive_regularization": ("universality/cr.yaml", HIDDEN),
+    "modular_addition": ("modular_addition/mlp.yaml", MODADD),  # the embedding gradient adds with atomics
 }
 # the 1-rank DDP run: at one rank the methods skip their own collectives (world size 1), so what it checks
 # is DDP itself on nccl around the fused ops: the initial broadcast of parameters and buffers and the

@@ -226,6 +226,26 @@ def _bn_op(norm):
               BN_SIZES, 2, dots=False, whole=True)
 
 
+# ---------------------------------------------------------------------------------------------------
+# modular_power_mlp: a [B, k] tokens, U [k, p, m], W [m, p] -> logits [B, p]
+# ---------------------------------------------------------------------------------------------------
+def _modpow_make(shape, size, gen, dtype):
+    B, k, p, m = shape
+    scale = m ** (-1.0 / k) / k ** 0.5  # the sums' k-th powers summed over m neurons stay O(1)
+    a = torch.randint(0, p, (B, k), generator=gen, device=gen.device)
+    return {"a": a, "U": _randn(gen, dtype, k, p, m, scale=scale), "W": _randn(gen, dtype, m, p)}, ("U", "W"), {"a"}
+
+
+OPS_MODPOW = Op("modular_power_mlp", _modpow_make,
+                lambda i, p: {"logits": K.modular_power_mlp(i["a"], i["U"], i["W"], i["a"].shape[1], backend="triton",
+                                                            input_precision=p)},
+                lambda i: {"logits": K.modular_power_mlp_reference(i["a"], i["U"], i["W"], i["a"].shape[1])},
+                lambda i, gen: {"logits": torch.randn(i["a"].shape[0], i["W"].shape[1], generator=gen,
+                                                      device=gen.device, dtype=F64)},
+                # odd: unaligned everything and a 32-wide class tile; medium / large: Fig. 4.1's and C.3's sizes
+                {"odd": ((1031, 3, 23, 355), (7, 3, 5, 19)), "medium": ((1024, 4, 47, 2944), (17, 2, 7, 21)),
+                 "large": ((4096, 5, 23, 5632), (5, 4, 3, 18))}, 1)
+
 OPS = [
     _layer_op("soft_threshold", K.soft_threshold_layer, K.soft_threshold_reference, (-0.3, 0.7), 1.0,
               lambda b: (b, -b)),  # b < 0 too: the learned-bias ablation's formula
@@ -249,6 +269,7 @@ OPS = [
         "int32": (((911, 256, 1152, 1152, 8), 8), ((2, 9, 5, 5, 3), 3))}, 3),
     _bn_op("bn"),
     _bn_op("l2"),
+    OPS_MODPOW,
 ]
 
 
@@ -295,7 +316,7 @@ def test_every_triton_op_has_a_case(gpu_device):
     with_backend = {n for n in K.__all__ if inspect.isfunction(inspect.unwrap(getattr(K, n)))
                     and "backend" in inspect.signature(getattr(K, n)).parameters}
     assert with_backend == {"soft_threshold_layer", "smoothed_clamp_layer", "patch_activation_sum", "masked_attention",
-                            "bn_cosine_loss", "bn_column_stats"}
+                            "bn_cosine_loss", "bn_column_stats", "modular_power_mlp"}
 
 
 @pytest.mark.parametrize("op,size,precision", list(_cases()))
