@@ -84,6 +84,10 @@ CASES.update({
     # dissertation ch. 7: the loss's negatives (the batch mean) are the GLOBAL batch's, gathered with gradient
     "universality": ("universality/universal.yaml", ["--data.T", "2", "--data.num_test", "64"], 32, 32,
                      torch.float32),
+    # dissertation ch. 4: epochs of the training half of Z_7^3 (172 tuples, 5 steps of 32 an epoch), each rank its
+    # slice of the epoch's order; the fused op's embedding gradient adds rows with index_add_ (torch) per rank
+    "modular_addition": ("modular_addition/mlp.yaml", ["--data.k", "3", "--data.p", "7", "--model.width", "12",
+                                                       "--model.backend", "torch"], 16, 16, torch.float32),
 })
 DEFAULT = ("contrastive", "contrastive_full_batch", "mrp_teacher_student", "mrp_supervised", "noncontrastive_sample",
            "noncontrastive_population", "vit_mae", "vit_cl", "two_layer", "universality")
