@@ -12,10 +12,12 @@ Metrics. Every ``log_every_n_steps`` steps: ``train/loss``, ``train/acc`` of the
 whole held-out split and the whole training split, in batches): ``val/loss``, ``val/acc``,
 ``val/train_acc``, and the normalised margin over all ``p^k`` tuples, ``theory/margin`` (the smallest margin
 divided by ``||theta||_{2,k+1}^{k+1}``) beside ``theory/gamma_star`` (Lemma 4.10). With the theory metrics:
-``theory/max_power`` (the mean over neurons of the smallest max-normalised power of a neuron's k + 1
-vectors; Theorem 4.9 predicts 1), ``theory/single_frequency`` (the share of neurons whose vectors share one
-dominant frequency), ``theory/phase_residual`` (mean ``|theta_{u_1} + ... + theta_{u_k} - theta_w|``, predicted
-0) and ``theory/frequencies_used`` (the share of the ``(p-1)/2`` frequencies some neuron uses, predicted 1).
+``theory/max_power`` (the smallest max-normalised power of a neuron's k + 1 vectors; Theorem 4.9 predicts 1),
+``theory/single_frequency`` (whether its vectors share one dominant frequency), ``theory/phase_residual``
+(``|theta_{u_1} + ... + theta_{u_k} - theta_w|``, predicted 0), each averaged over neurons weighted by their
+share of ``||theta||_{2,k+1}^{k+1}`` (weight decay shrinks most neurons of the theorem's width to nothing);
+``theory/frequencies_used`` (the share of the ``(p-1)/2`` frequencies some live neuron uses, predicted 1) and
+``theory/live_neurons`` (the share of neurons above a tenth of an equal share).
 The heat map is each neuron's output weights ``w_i`` against the Fourier modes of ``Z_p``.
 
 Example:
@@ -169,12 +171,20 @@ class FourierMLP(FeatureLearningModule):
     # --- theory ---------------------------------------------------------------------------------
     @torch.no_grad()
     def spectral_metrics(self) -> dict[str, float]:
-        """The per-neuron Fourier quantities of Theorem 4.9 (module docstring), averaged over neurons."""
-        s = neuron_spectra(self.U.detach(), self.W.detach())
-        used = frequency_coverage(s["frequency"][s["shared"]], self.p) > 0
-        return {"max_power": float(s["power"].mean()), "single_frequency": float(s["shared"].double().mean()),
-                "phase_residual": float(s["phase_residual"].abs().mean()),
-                "frequencies_used": float(used.double().mean())}
+        """The per-neuron Fourier quantities of Theorem 4.9 (module docstring), each neuron weighted by its
+        share ``||theta_i||^{k+1} / ||theta||_{2,k+1}^{k+1}`` of the network's scale: under weight decay most
+        neurons of the theorem's width shrink to nothing, and their leftover noise says nothing about the
+        function the network computes. ``frequencies_used`` counts the neurons above a tenth of an equal share."""
+        U, W = self.U.detach().double(), self.W.detach().double()
+        s = neuron_spectra(U, W)
+        share = (U.square().sum((0, 1)) + W.square().sum(1)).pow((self.k + 1) / 2)
+        share = share / share.sum().clamp_min(1e-300)
+        live = share >= 0.1 / len(share)
+        used = frequency_coverage(s["frequency"][s["shared"] & live], self.p) > 0
+        return {"max_power": float((share * s["power"]).sum()),
+                "single_frequency": float((share * s["shared"].double()).sum()),
+                "phase_residual": float((share * s["phase_residual"].abs()).sum()),
+                "frequencies_used": float(used.double().mean()), "live_neurons": float(live.double().mean())}
 
     def correlations(self) -> torch.Tensor:
         w = self.W.detach().float()
