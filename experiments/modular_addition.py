@@ -62,9 +62,7 @@ def neurons(model: FourierMLP) -> dict:
 
 
 def collect(cli) -> dict:
-    out = final_metrics(cli)
-    out["margin_ratio"] = round(out["margin"] / gamma_star(cli.model.k, cli.model.p), 4) if "margin" in out else None
-    return {**out, **neurons(cli.model)}
+    return {**final_metrics(cli), **neurons(cli.model)}
 
 
 def at_init(k: int, p: int, seed: int, width: int | None) -> list[float]:
