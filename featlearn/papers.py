@@ -42,7 +42,7 @@ PAPERS: dict[str, dict[str, str]] = {
         authors="Yu Huang, Zixin Wen, Yuejie Chi, Yingbin Liang",
         title="A Theoretical Analysis of Self-Supervised Learning for Vision Transformers",
         venue="ICLR", year="2025", arxiv="2403.02233", short="Huang et al. 2025"),
-    # the dissertation whose Chapters 2 and 7 are built (numbering in comments: the dissertation's)
+    # the dissertation whose Chapters 2 and 7 are built and Chapter 4 in progress (numbering: the dissertation's)
     "dissertation": dict(
         authors="Zhenmei Shi",
         title="Understanding Training and Adaptation in Feature Learning: "
@@ -59,6 +59,12 @@ PAPERS: dict[str, dict[str, str]] = {
         authors="Zhenmei Shi, Jiefeng Chen, Kunyang Li, Jayaram Raghuram, Xi Wu, Yingyu Liang, Somesh Jha",
         title="The Trade-off between Universality and Label Efficiency of Representations from Contrastive Learning",
         venue="ICLR", year="2023", arxiv="2303.00106", short="Shi et al. 2023"),
+    # its Chapter 4 (in progress): Fourier circuits for k-input modular addition
+    "modular_addition": dict(
+        authors="Chenyang Li, Yingyu Liang, Zhenmei Shi, Zhao Song, Tianyi Zhou",
+        title="Fourier Circuits in Neural Networks: Unlocking the Potential of Large Language Models in "
+              "Mathematical Reasoning and Modular Arithmetic",
+        venue="arXiv preprint", year="2024", arxiv="2402.09469", short="Li et al. 2024"),
 }
 
 

@@ -102,8 +102,14 @@ class FeatureLearningModule(L.LightningModule):
 
     def setup(self, stage: str) -> None:
         self.attach(self.trainer.datamodule)
+        wanted = self.hparams.get("compile")
+        if stage != "fit" or self.compiled_loss is None or wanted is False:
+            return
         device = self.trainer.strategy.root_device.type  # the module moves there after this hook
-        if stage == "fit" and self.compile_wanted(self.trainer.estimated_stepping_batches, device):
+        if wanted is None and (self.compile_pays_after is None or device != "cpu"):
+            return
+        # the step count only where it decides (estimating it can load the training dataloader early)
+        if self.compile_wanted(self.trainer.estimated_stepping_batches if wanted is None else 0, device):
             self.compile_loss()
 
     def compile_wanted(self, steps: float, device: str = "cpu") -> bool:

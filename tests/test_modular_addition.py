@@ -101,7 +101,7 @@ def test_decode_is_mixed_radix_and_the_features_are_an_orthonormal_fourier_basis
 @pytest.mark.parametrize("k, p, value", [(3, 97, 2.01e-5), (4, 47, 1.02e-5), (5, 23, 1.19e-5), (4, 31, 2.93e-5),
                                         (3, 61, 5.12e-5), (5, 17, 3.00e-5), (2, 97, 2.88e-4)])
 def test_gamma_star_matches_the_spec_values(k, p, value):
-    assert gamma_star(k, p) == pytest.approx(value, rel=6e-3)  # the spec prints three digits
+    assert gamma_star(k, p) == pytest.approx(value, rel=6e-3)  # values to three significant digits
 
 
 def test_the_norm_and_margins_follow_their_definitions():
