@@ -40,12 +40,13 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch.autograd.function import once_differentiable
 
 from featlearn.errors import ConfigError
 from featlearn.kernels import backend as kb  # kb.new_output: the allocation tests poison
-from featlearn.kernels.backend import (acc_dtype, autotune, check_backend, check_float_inputs, contiguous,
-                                       grouped_grid, grouped_tile, refuse_shape, resolve_backend, resolve_precision,
-                                       tile_grid, tiles_by_precision)
+from featlearn.kernels.backend import (KernelInputError, acc_dtype, autotune, check_backend, check_float_inputs,
+                                       contiguous, grouped_grid, grouped_tile, refuse_shape, resolve_backend,
+                                       resolve_precision, tile_grid, tiles_by_precision)
 
 __all__ = ["modular_power_mlp", "modular_power_mlp_reference", "ModularPowerMLPFunction"]
 
@@ -224,6 +225,7 @@ class ModularPowerMLPFunction(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable  # the Triton gradients are not differentiable: both backends refuse a double backward
     def backward(ctx, grad):
         a, U, W = ctx.saved_tensors
         need = ctx.needs_input_grad[1:3]
@@ -242,9 +244,9 @@ def modular_power_mlp(a: torch.Tensor, U: torch.Tensor, W: torch.Tensor, power: 
     """Logits ``(sum_j U[j, a[:, j]])^power @ W`` of the modular-addition MLP, differentiable in U and W.
 
     Args:
-        a: ``[B, k]`` integer tokens in ``[0, V)`` (not checked against ``V``: an out-of-range token reads
-            another row; the DataModule makes them in range). U: ``[k, V, m]`` embeddings. W: ``[m, C]``
-            output weights, ``C <= 256``. U and W both float32 or both float64.
+        a: ``[B, k]`` int32 or int64 tokens in ``[0, V)`` on U's device (not checked against ``V``: an
+            out-of-range token reads another row; the DataModule makes them in range). U: ``[k, V, m]``
+            embeddings. W: ``[m, C]`` output weights, ``C <= 256``. U and W both float32 or both float64.
         power: the integer power ``q >= 1`` (the chapter's network: ``q = k``).
         backend: ``"auto"`` (Triton on CUDA, PyTorch otherwise), ``"torch"`` or ``"triton"``.
         input_precision: the Triton GEMMs' ``tl.dot`` precision: ``"auto"`` (TF32 for float32, IEEE for
@@ -257,8 +259,11 @@ def modular_power_mlp(a: torch.Tensor, U: torch.Tensor, W: torch.Tensor, power: 
     if U.dim() != 3:
         refuse_shape("modular_power_mlp", "U", U, "must be a 3-D tensor [k, V, m]")
     K, V, M = U.shape
-    if a.dim() != 2 or a.shape[1] != K or a.dtype.is_floating_point or a.dtype == torch.bool:
-        refuse_shape("modular_power_mlp", "a", a, f"must be a 2-D integer tensor [B, {K}]")
+    if a.dim() != 2 or a.shape[1] != K or a.dtype not in (torch.int32, torch.int64):
+        refuse_shape("modular_power_mlp", "a", a, f"must be a 2-D int32 or int64 tensor [B, {K}]")
+    if a.device != U.device:
+        raise KernelInputError("modular_power_mlp", "a", f"is on {a.device}", f"must be on U's device {U.device}",
+                               str(a.device))
     if W.dim() != 2 or W.shape[0] != M or W.shape[1] > MAX_CLASSES:
         refuse_shape("modular_power_mlp", "W", W, f"must be a 2-D tensor [{M}, C] with C <= {MAX_CLASSES}")
     if isinstance(power, bool) or not isinstance(power, int) or power < 1:

@@ -65,8 +65,8 @@ class FourierMLP(FeatureLearningModule):
         regularizer: ``weight_decay`` (AdamW decay ``lam``) or ``norm`` (``lam ||theta||_{2,k+1}`` added to the
             loss). lam: the chapter's lambda.
         backend: the fused op's (``auto``: Triton on CUDA). input_precision: its GEMMs' on a GPU.
-        compile: run the loss under ``torch.compile`` (``null``: when the run is long enough to repay it).
-        seed: seed of the initialisation.
+        compile: run the loss under ``torch.compile`` (``null``: never for this method; compiling it was not
+            measured). seed: seed of the initialisation.
     """
 
     datamodule_class = ModularAdditionDataModule
@@ -91,6 +91,7 @@ class FourierMLP(FeatureLearningModule):
         self.k, self.p = dm.k, dm.p
         self.m = hp.width or theorem_width(dm.k, dm.p)
         self.power = hp.power or dm.k
+        self.split_sizes = {"val": dm.sizes["val"], "train": dm.sizes["train"]}  # what a whole-split pass sees
         # the weights, their gradients and AdamW's two moments, and a step's [B, m] temporaries (the torch path's)
         rows = dm.batch_size or dm.sizes["train"]
         check_memory("model", FourierMLP, {"width": self.m}, 4 * 4 * (dm.k + 1) * dm.p * self.m + 3 * 4 * rows * self.m,
@@ -147,18 +148,24 @@ class FourierMLP(FeatureLearningModule):
         sums[3] = min(sums[3], float(margins(logits.double(), batch["y"]).min()))
 
     def on_validation_epoch_end(self) -> None:
-        # host sums over the whole split (every tuple once); several processes each hold a share: summed here
+        # host sums over each split; several processes each hold a share, summed here with the same collectives
+        # on every rank (a rank that saw no batch of a split adds zeros). Under DDP Lightning's sampler pads a
+        # split to a multiple of the ranks, so up to ranks - 1 tuples count twice in the sums
         evals, self._eval = self._eval, {}
-        if not evals:
+        if self._trainer is not None and self.trainer.sanity_checking:
             return
-        totals = {split: self._all_reduce(torch.tensor(v[:3], dtype=torch.float64)) for split, v in evals.items()}
-        smallest = self._all_reduce(torch.tensor([min(v[3] for v in evals.values())], dtype=torch.float64), "min")
-        if "val" in totals:
+        empty = [0.0, 0, 0, math.inf]
+        totals = {split: self._all_reduce(torch.tensor(evals.get(split, empty)[:3], dtype=torch.float64))
+                  for split in ("val", "train")}
+        smallest = self._all_reduce(torch.tensor([min(v[3] for v in [empty, *evals.values()])],
+                                                 dtype=torch.float64), "min")
+        for split, name in (("val", "val/acc"), ("train", "val/train_acc")):
+            if totals[split][2] > 0:
+                self.log(name, float(totals[split][1] / totals[split][2]), prog_bar=split == "val")
+        if totals["val"][2] > 0:
             self.log("val/loss", float(totals["val"][0] / totals["val"][2]))
-            self.log("val/acc", float(totals["val"][1] / totals["val"][2]), prog_bar=True)
-        if "train" in totals:
-            self.log("val/train_acc", float(totals["train"][1] / totals["train"][2]))
-        if len(totals) == 2:  # every tuple seen: the margin of the whole dataset
+        whole = all(totals[s][2] >= n for s, n in self.split_sizes.items())
+        if whole and self.power == self.k:  # every tuple seen (not limit_val_batches), the chapter's network
             scale = float(norm_2_kplus1(self.U.detach().double(), self.W.detach().double())) ** (self.k + 1)
             self.log("theory/margin", float(smallest[0]) / scale)
             self.log("theory/gamma_star", gamma_star(self.k, self.p))
@@ -177,7 +184,7 @@ class FourierMLP(FeatureLearningModule):
         function the network computes. ``frequencies_used`` counts the neurons above a tenth of an equal share."""
         U, W = self.U.detach().double(), self.W.detach().double()
         s = neuron_spectra(U, W)
-        share = (U.square().sum((0, 1)) + W.square().sum(1)).pow((self.k + 1) / 2)
+        share = (U.square().sum((0, 1)) + W.square().sum(1)).pow((self.power + 1) / 2)  # (q+1)-homogeneous
         share = share / share.sum().clamp_min(1e-300)
         live = share >= 0.1 / len(share)
         used = frequency_coverage(s["frequency"][s["shared"] & live], self.p) > 0

@@ -77,10 +77,13 @@ def test_bad_inputs_are_refused():
     a, U, W = torch.zeros(4, 3, dtype=torch.long), torch.randn(3, 5, 8), torch.randn(8, 5)
     with pytest.raises(ConfigError, match="^backend"):
         mp.modular_power_mlp(a, U, W, 3, backend="cuda")
-    with pytest.raises(KernelInputError, match=r"^modular_power_mlp: a has shape \[4, 2\]; must be a 2-D integer"):
+    with pytest.raises(KernelInputError, match=r"^modular_power_mlp: a has shape \[4, 2\]; must be a 2-D int32"):
         mp.modular_power_mlp(a[:, :2], U, W, 3)
-    with pytest.raises(KernelInputError, match=r"^modular_power_mlp: a has shape \[4, 3\]; must be a 2-D integer"):
-        mp.modular_power_mlp(a.float(), U, W, 3)
+    for dtype in (torch.float32, torch.int16, torch.uint8, torch.bool):
+        with pytest.raises(KernelInputError, match=r"^modular_power_mlp: a has shape \[4, 3\]; must be a 2-D int32"):
+            mp.modular_power_mlp(a.to(dtype), U, W, 3)
+    with pytest.raises(KernelInputError, match=r"^modular_power_mlp: a is on meta; must be on U's device cpu"):
+        mp.modular_power_mlp(a.to("meta"), U, W, 3)
     with pytest.raises(KernelInputError, match=r"^modular_power_mlp: W has shape \[7, 5\]; must be a 2-D tensor \[8, C\]"):
         mp.modular_power_mlp(a, U, torch.randn(7, 5), 3)
     with pytest.raises(KernelInputError, match=r"^modular_power_mlp: W has shape \[8, 300\]"):

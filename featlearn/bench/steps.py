@@ -250,12 +250,11 @@ def _cold_compile():
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
         try:
             yield
-        finally:
+        finally:  # no reset on the way out: the plain compiled loop recompiled in this fit's warm-up keeps its code
             if before is None:
                 os.environ.pop("TORCHINDUCTOR_CACHE_DIR")
             else:
                 os.environ["TORCHINDUCTOR_CACHE_DIR"] = before
-            torch._dynamo.reset()
 
 
 def _repays(first_step_s: float, eager: Result, compiled: Result) -> str:
