@@ -228,11 +228,13 @@ def mean_range(values: list, fmt: str = "{:.3f}") -> object:
         '0.750 (0.500-1.000)'
         >>> mean_range([None, 1.0])
         'n/a'
+        >>> mean_range([-0.4, -0.2])   # a negative range reads "to", not "--"
+        '-0.300 (-0.400 to -0.200)'
     """
     if not values or any(v is None or v == "" or v == "n/a" for v in values):
         return "n/a"
     if len(values) == 1:
         return fmt.format(values[0])
-    mean = sum(values) / len(values)
-    return f"{fmt.format(mean)} ({fmt.format(min(values))}-{fmt.format(max(values))})"
+    mean, low, high = sum(values) / len(values), fmt.format(min(values)), fmt.format(max(values))
+    return f"{fmt.format(mean)} ({low} to {high})" if min(values) < 0 else f"{fmt.format(mean)} ({low}-{high})"
 

@@ -19,9 +19,13 @@ of the live neurons at initialisation and after training, and the frequency cove
 settings came from a search on seed 0 (recorded in ``docs/methods/modular_addition.md``); seeds 1 and 2 were
 not used to choose them.
 
+Then, unless ``--part fourier``, grokking against k (Fig. 4.4;
+:mod:`~featlearn.experiments.modular_addition_grokking`), with its own table and figures.
+
 Usage::
 
     python -m featlearn.experiments.modular_addition --seed 0 1 2     # options: --k 3 --p 23 --steps N
+    python -m featlearn.experiments.modular_addition --part grokking --grokking-steps 6000
 """
 from __future__ import annotations
 
@@ -30,12 +34,13 @@ import os
 import time
 
 from featlearn.datamodules.modular_addition import ModularAdditionDataModule, is_prime
-from featlearn.experiments.common import (experiment_parser, markdown_table, mean_range, parse_experiment_args,
-                                          quiet_lightning)
+from featlearn.experiments import modular_addition_grokking as grokking
+from featlearn.experiments.common import (checked, experiment_parser, markdown_table, mean_range,
+                                          parse_experiment_args, quiet_lightning)
 from featlearn.experiments.study import Run, Study, final_metrics
 from featlearn.lightning_modules.modular_addition import FourierMLP, theorem_width
 from featlearn.metrics.figures import bars_figure, curves_figure
-from featlearn.theory.modular_addition import frequency_coverage, gamma_star, neuron_spectra
+from featlearn.theory.modular_addition import frequency_coverage, gamma_star
 
 RUNS = {  # name: (overrides of configs/modular_addition/mlp.yaml, steps)
     "chapter": ({"model.init_args.lr": 0.005, "model.init_args.lam": 0.005}, 3000),
@@ -51,14 +56,11 @@ PREDICTED = {"test_acc": "1", "train_acc": "1", "max_power": "1", "single_freque
 
 
 def neurons(model: FourierMLP) -> dict:
-    """Per live neuron (above a tenth of an equal share of the scale): its max-normalised power, and the
-    coverage of the frequencies by the live single-frequency neurons."""
-    U, W = model.U.detach().double(), model.W.detach().double()
-    s = neuron_spectra(U, W)
-    share = (U.square().sum((0, 1)) + W.square().sum(1)).pow((model.k + 1) / 2)
-    live = share / share.sum() >= 0.1 / len(share)
-    return {"power": sorted(s["power"][live].tolist(), reverse=True),
-            "coverage": frequency_coverage(s["frequency"][s["shared"] & live], model.p).tolist()}
+    """The live neurons' max-normalised powers (largest first), and the coverage of the frequencies by the live
+    single-frequency neurons (:meth:`~featlearn.lightning_modules.modular_addition.FourierMLP.neurons`)."""
+    s = model.neurons()
+    return {"power": sorted(s["power"][s["live"]].tolist(), reverse=True),
+            "coverage": frequency_coverage(s["frequency"][s["shared"] & s["live"]], model.p).tolist()}
 
 
 def collect(cli) -> dict:
@@ -91,6 +93,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--k", type=int, default=3, help="inputs per tuple (default 3)")
     parser.add_argument("--p", type=int, default=23, help="the modulus, an odd prime (default 23)")
     parser.add_argument("--steps", type=int, help="steps of every run (default: each run's own, 3000 or 6000)")
+    parser.add_argument("--part", choices=("all", "fourier", "grokking"), default="all",
+                        help="the Fourier-neuron table, the grokking table, or both (default)")
+    parser.add_argument("--grokking-steps", type=checked(int, lambda v: v >= 1, ">= 1"), default=grokking.STEPS,
+                        help=f"steps of every grokking run (default {grokking.STEPS})")
 
     def check(parser, args):
         if args.k < 2:
@@ -106,9 +112,10 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     quiet_lightning()
     t0 = time.time()
-    results = {}
-    with Study(args, "runs", fits=len(RUNS) * len(args.seed)) as study:
-        for seed in args.seed:
+    results, fourier = {}, args.part in ("all", "fourier")
+    fits = len(args.seed) * (len(RUNS) * fourier + len(grokking.SIZES) * (args.part != "fourier"))
+    with Study(args, "runs", fits=fits) as study:
+        for seed in args.seed if fourier else ():
             for name, (overrides, steps) in RUNS.items():
                 steps = args.steps or steps
                 slug = name.replace(", m = ", "_m").replace(" ", "_")
@@ -117,7 +124,15 @@ def main(argv=None) -> dict:
                            "data.init_args.batch_size": min(1024, args.p ** args.k // 2),  # small (k, p): full batch
                            "trainer.max_steps": steps, "trainer.val_check_interval": steps // 6}, seed=seed)
                 results.setdefault(seed, {})[name] = study.fit(run, collect=collect)
-    wall = time.time() - t0
+        wall = time.time() - t0
+        grokked = grokking.grokking_runs(study, args.seed, args.grokking_steps) if args.part != "fourier" else None
+    if grokked is not None:
+        notes = grokking.notes(args.seed, args.grokking_steps, time.time() - t0 - wall)
+        study.write("modular_addition_grokking", {"results": grokked, "notes": notes},
+                    f"# Shi 2024, Chapter 4, Fig. 4.4: grokking against k (the MLP)\n\n{grokking.grokking_table(grokked)}"
+                    f"\n\n{notes}", figures=grokking.grokking_figures(grokked, args.seed[0]))
+    if not fourier:
+        return {"grokking": grokked, "wall_s": wall}
     seeds = " ".join(map(str, args.seed))
     m = theorem_width(args.k, args.p)
     notes = (f"k = {args.k}, p = {args.p} ({args.p ** args.k:,} tuples, half trained on), batch 1024, AdamW (0.9, "
@@ -127,7 +142,7 @@ def main(argv=None) -> dict:
              f"share one dominant frequency and |sum of input phases - output phase|, averaged with weights "
              f"||theta_i||^(k+1) / ||theta||_(2,k+1)^(k+1); live neurons: above a tenth of an equal share; "
              f"frequencies used: of the {(args.p - 1) // 2}, by live single-frequency neurons. Accuracies over every "
-             f"tuple of each half. Total wall time {wall:.0f} s.")
+             f"tuple of each half. Wall time {wall:.0f} s.")
     first = args.seed[0]
     powers = {f"{name}, trained": results[first][name]["power"] for name in RUNS}
     for name, width in (("m = {}".format(m), None), ("m = 64", 64)):
@@ -143,7 +158,7 @@ def main(argv=None) -> dict:
     study.write("modular_addition", {"results": results, "notes": notes},
                 f"# Shi 2024, Chapter 4: Fourier neurons of the k-input modular-addition MLP\n\n"
                 f"{table(results)}\n\n{notes}", figures=figures)
-    return {"results": results, "wall_s": wall}
+    return {"results": results, "grokking": grokked, "wall_s": wall}
 
 
 if __name__ == "__main__":

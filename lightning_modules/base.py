@@ -168,18 +168,29 @@ class FeatureLearningModule(L.LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         """Resume with the optimizer settings of the current config (e.g. a lowered ``lr`` after a
-        blow-up), keeping the optimizer's learned state (momentum buffers)."""
+        blow-up), keeping the optimizer's learned state (momentum buffers). Where a scheduler owns the step
+        size (the group has an ``initial_lr``), the config's ``lr`` becomes the schedule's base and the step
+        size keeps the schedule's factor at the step resumed from."""
         states = checkpoint.get("optimizer_states") or []
         if not states:  # nothing to update (one seed of a stack: the stack's optimizer holds its state)
             return
-        fresh = self.configure_optimizers()
-        fresh = fresh if isinstance(fresh, (list, tuple)) else [fresh]
-        for state, optimizer in zip(states, fresh):
-            for old, new in zip(state["param_groups"], optimizer.param_groups):
+        schedules = checkpoint.get("lr_schedulers") or []
+        for i, (state, optimizer) in enumerate(zip(states, _optimizers(self.configure_optimizers()))):
+            for g, (old, new) in enumerate(zip(state["param_groups"], optimizer.param_groups)):
+                scheduled = "initial_lr" in new and "initial_lr" in old
                 for key, value in new.items():
-                    if key not in _GROUP_STATE_KEYS and old.get(key) != value:
+                    if key in _GROUP_STATE_KEYS or (scheduled and key == "lr"):
+                        continue
+                    if old.get(key) != value:
                         rank_zero_info(f"resume: optimizer {key} {old.get(key)!r} -> {value!r} (from the config)")
                         old[key] = value
+                if scheduled and old["initial_lr"] != new["initial_lr"]:
+                    rank_zero_info(f"resume: optimizer lr {old['initial_lr']!r} -> {new['initial_lr']!r} before the "
+                                   f"schedule (from the config)")
+                    old["lr"] *= new["initial_lr"] / old["initial_lr"]
+                    old["initial_lr"] = new["initial_lr"]
+                    if i < len(schedules) and "base_lrs" in schedules[i]:
+                        schedules[i]["base_lrs"][g] = new["initial_lr"]
 
     @property
     def hparams_initial(self):
@@ -264,6 +275,25 @@ class FeatureLearningModule(L.LightningModule):
     def heatmaps(self) -> dict[str, torch.Tensor]:
         """2-D tensors logged as TensorBoard images by :class:`featlearn.callbacks.HeatmapLogger`."""
         return {"correlation": self.correlations()}
+
+
+def _optimizers(configured) -> list:
+    """The optimizers in whatever form ``configure_optimizers`` returned them: one, a list, a dict with an
+    ``optimizer`` (and its ``lr_scheduler``), a list of such dicts, or ``(optimizers, schedulers)``.
+
+    Example:
+        >>> opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+        >>> sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
+        >>> [len(_optimizers(form)) for form in (opt, [opt, opt], {"optimizer": opt}, ([opt], [sched]))]
+        [1, 2, 1, 1]
+    """
+    if isinstance(configured, dict):
+        return [configured["optimizer"]]
+    if isinstance(configured, tuple) and len(configured) == 2 and all(isinstance(c, list) for c in configured):
+        return list(configured[0])
+    if isinstance(configured, (list, tuple)):
+        return [opt for entry in configured for opt in _optimizers(entry)]
+    return [configured]
 
 
 def _public(params: dict) -> dict:

@@ -18,6 +18,11 @@ divided by ``||theta||_{2,k+1}^{k+1}``) beside ``theory/gamma_star`` (Lemma 4.10
 share of ``||theta||_{2,k+1}^{k+1}`` (weight decay shrinks most neurons of the theorem's width to nothing);
 ``theory/frequencies_used`` (the share of the ``(p-1)/2`` frequencies some live neuron uses, predicted 1) and
 ``theory/live_neurons`` (the share of neurons above a tenth of an equal share).
+With ``ablation: true``, every whole validation also logs grokking's progress measures (Nanda et al. 2023) for
+k inputs, :meth:`FourierMLP.fourier_ablation`: ``theory/restricted_loss`` (all tuples, only the key
+frequencies' part of the logits) and ``theory/excluded_loss`` (the training split, that part removed), the key
+frequencies being those of the live single-frequency neurons (``theory/key_frequencies`` counts them). It costs
+one more pass over every tuple and one over the training split, on every process.
 The heat map is each neuron's output weights ``w_i`` against the Fourier modes of ``Z_p``.
 
 Example:
@@ -39,8 +44,9 @@ import torch.nn.functional as F
 from featlearn.datamodules.modular_addition import ModularAdditionDataModule
 from featlearn.kernels.backend import Backend, Precision
 from featlearn.kernels.modular_power_mlp import modular_power_mlp
-from featlearn.lightning_modules.base import FeatureLearningModule
-from featlearn.theory.modular_addition import frequency_coverage, gamma_star, margins, neuron_spectra, norm_2_kplus1
+from featlearn.lightning_modules.modular_base import ModularAdditionMethod
+from featlearn.theory.modular_addition import (ablation_losses, frequency_coverage, gamma_star,
+                                               neuron_spectra, norm_2_kplus1)
 from featlearn.validation import (NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, check_args,
                                   check_memory)
 
@@ -55,7 +61,7 @@ def theorem_width(k: int, p: int) -> int:
     return 2 ** (2 * k - 2) * (p - 1)
 
 
-class FourierMLP(FeatureLearningModule):
+class FourierMLP(ModularAdditionMethod):
     """The chapter's MLP (module docstring).
 
     Args:
@@ -66,12 +72,11 @@ class FourierMLP(FeatureLearningModule):
             loss). lam: the chapter's lambda.
         backend: the fused op's (``auto``: Triton on CUDA). input_precision: its GEMMs' on a GPU.
         compile: run the loss under ``torch.compile`` (``null``: never for this method; compiling it was not
-            measured). seed: seed of the initialisation.
+            measured). ablation: log the restricted and excluded losses at every whole validation.
+        seed: seed of the initialisation.
     """
 
-    datamodule_class = ModularAdditionDataModule
     heatmap_axes = ("neuron", "Fourier mode")
-    compiled_loss = "batch_loss"
     # the weights grow under cross-entropy until the decay balances it; a 100x jump in 20 steps is a blow-up
     blowup_factors = {"loss": None, "weight_norm": 100.0}
 
@@ -80,18 +85,17 @@ class FourierMLP(FeatureLearningModule):
                  betas: tuple[float, float] = (0.9, 0.98), warmup_steps: NonNegativeInt = 10,
                  regularizer: Literal["weight_decay", "norm"] = "weight_decay", lam: NonNegativeFloat = 0.005,
                  backend: Backend = "auto", input_precision: Precision = "ieee", compile: bool | None = None,
-                 seed: int = 0):
+                 ablation: bool = False, seed: int = 0):
         check_args("model", FourierMLP.__init__, locals())
         super().__init__()
         self.save_hyperparameters()
-        self._eval: dict[str, list] = {}
 
     def build(self, dm: ModularAdditionDataModule) -> None:
         hp = self.hparams
         self.k, self.p = dm.k, dm.p
         self.m = hp.width or theorem_width(dm.k, dm.p)
         self.power = hp.power or dm.k
-        self.split_sizes = {"val": dm.sizes["val"], "train": dm.sizes["train"]}  # what a whole-split pass sees
+        self.remember_splits(dm)
         # the weights, their gradients and AdamW's two moments, and a step's [B, m] temporaries (the torch path's)
         rows = dm.batch_size or dm.sizes["train"]
         check_memory("model", FourierMLP, {"width": self.m}, 4 * 4 * (dm.k + 1) * dm.p * self.m + 3 * 4 * rows * self.m,
@@ -116,94 +120,87 @@ class FourierMLP(FeatureLearningModule):
             loss = loss + self.hparams.lam * norm_2_kplus1(self.U, self.W)
         return loss, logits
 
-    def training_step(self, batch, batch_idx):
-        loss, logits = self.batch_loss(batch)
-        if self.theory_due():
-            self.log("train/loss", loss, sync_dist=True)
-            self.log("train/acc", (logits.argmax(1) == batch["y"]).float().mean(), sync_dist=True)
-        return loss
-
-    def configure_optimizers(self):
-        hp = self.hparams
-        decay = hp.lam if hp.regularizer == "weight_decay" else 0.0
-        opt = torch.optim.AdamW(self.parameters(), lr=hp.lr, betas=tuple(hp.betas), weight_decay=decay)
-        warm = max(1, hp.warmup_steps)
-        schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / warm))
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+    def weight_decay(self) -> float:
+        return self.hparams.lam if self.hparams.regularizer == "weight_decay" else 0.0
 
     def finish_step(self, step: int) -> None:
         if self.theory_due():
             for name, value in self.spectral_metrics().items():
                 self.log(f"theory/{name}", value)
 
-    # --- evaluation: the held-out split (dataloader 0) and the whole training split (1) ---------
-    def validation_step(self, batch, batch_idx, dataloader_idx: int = 0):
-        with torch.no_grad():
-            logits = self(batch["a"])
-        split = "val" if dataloader_idx == 0 else "train"
-        sums = self._eval.setdefault(split, [0.0, 0, 0, math.inf])
-        sums[0] += float(F.cross_entropy(logits, batch["y"], reduction="sum"))
-        sums[1] += int((logits.argmax(1) == batch["y"]).sum())
-        sums[2] += len(batch["y"])
-        sums[3] = min(sums[3], float(margins(logits.double(), batch["y"]).min()))
-
-    def on_validation_epoch_end(self) -> None:
-        # host sums over each split; several processes each hold a share, summed here with the same collectives
-        # on every rank (a rank that saw no batch of a split adds zeros). Under DDP Lightning's sampler pads a
-        # split to a multiple of the ranks, so up to ranks - 1 tuples count twice in the sums
-        evals, self._eval = self._eval, {}
-        if self._trainer is not None and self.trainer.sanity_checking:
-            return
-        empty = [0.0, 0, 0, math.inf]
-        totals = {split: self._all_reduce(torch.tensor(evals.get(split, empty)[:3], dtype=torch.float64))
-                  for split in ("val", "train")}
-        smallest = self._all_reduce(torch.tensor([min(v[3] for v in [empty, *evals.values()])],
-                                                 dtype=torch.float64), "min")
-        for split, name in (("val", "val/acc"), ("train", "val/train_acc")):
-            if totals[split][2] > 0:
-                self.log(name, float(totals[split][1] / totals[split][2]), prog_bar=split == "val")
-        if totals["val"][2] > 0:
-            self.log("val/loss", float(totals["val"][0] / totals["val"][2]))
-        whole = all(totals[s][2] >= n for s, n in self.split_sizes.items())
-        if whole and self.power == self.k:  # every tuple seen (not limit_val_batches), the chapter's network
+    def after_validation(self, whole: bool, smallest_margin: float) -> None:
+        if whole and self.power == self.k:  # every tuple seen, the chapter's network
             scale = float(norm_2_kplus1(self.U.detach().double(), self.W.detach().double())) ** (self.k + 1)
-            self.log("theory/margin", float(smallest[0]) / scale)
+            self.log("theory/margin", smallest_margin / scale)
             self.log("theory/gamma_star", gamma_star(self.k, self.p))
-
-    def _all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        if self._trainer is None or self.trainer.world_size == 1:
-            return t
-        return self.trainer.strategy.reduce(t.to(self.device), reduce_op=op).cpu()
+        if whole and self.hparams.ablation and self.trainer.datamodule is not None:
+            for name, value in self.fourier_ablation(self.trainer.datamodule).items():
+                self.log(f"theory/{name}", value)
 
     # --- theory ---------------------------------------------------------------------------------
     @torch.no_grad()
-    def spectral_metrics(self) -> dict[str, float]:
-        """The per-neuron Fourier quantities of Theorem 4.9 (module docstring), each neuron weighted by its
-        share ``||theta_i||^{k+1} / ||theta||_{2,k+1}^{k+1}`` of the network's scale: under weight decay most
-        neurons of the theorem's width shrink to nothing, and their leftover noise says nothing about the
-        function the network computes. ``frequencies_used`` counts the neurons above a tenth of an equal share."""
+    def neurons(self) -> dict[str, torch.Tensor]:
+        """Per neuron: :func:`~featlearn.theory.modular_addition.neuron_spectra`'s quantities, its ``share``
+        ``||theta_i||^{q+1} / ||theta||_{2,q+1}^{q+1}`` of the network's scale (the network is (q+1)-homogeneous in
+        each neuron, q the power) and whether it is ``live`` (above a tenth of an equal share): under weight decay
+        most neurons of the theorem's width shrink to nothing, and their leftover noise says nothing about the
+        function the network computes."""
         U, W = self.U.detach().double(), self.W.detach().double()
-        s = neuron_spectra(U, W)
-        share = (U.square().sum((0, 1)) + W.square().sum(1)).pow((self.power + 1) / 2)  # (q+1)-homogeneous
-        share = share / share.sum().clamp_min(1e-300)
-        live = share >= 0.1 / len(share)
-        used = frequency_coverage(s["frequency"][s["shared"] & live], self.p) > 0
+        out = neuron_spectra(U, W)
+        share = (U.square().sum((0, 1)) + W.square().sum(1)).pow((self.power + 1) / 2)
+        out["share"] = share / share.sum().clamp_min(1e-300)
+        out["live"] = out["share"] >= 0.1 / len(share)
+        return out
+
+    def key_frequencies(self) -> torch.Tensor:
+        """The distinct frequencies of the live neurons whose k + 1 vectors share one."""
+        s = self.neurons()
+        return s["frequency"][s["shared"] & s["live"]].unique()
+
+    def spectral_metrics(self) -> dict[str, float]:
+        """The per-neuron Fourier quantities of Theorem 4.9 (module docstring), each neuron weighted by its share
+        of the network's scale (:meth:`neurons`); ``frequencies_used`` counts the live neurons."""
+        s = self.neurons()
+        share = s["share"]
+        used = frequency_coverage(s["frequency"][s["shared"] & s["live"]], self.p) > 0
         return {"max_power": float((share * s["power"]).sum()),
                 "single_frequency": float((share * s["shared"].double()).sum()),
                 "phase_residual": float((share * s["phase_residual"].abs()).sum()),
-                "frequencies_used": float(used.double().mean()), "live_neurons": float(live.double().mean())}
+                "frequencies_used": float(used.double().mean()), "live_neurons": float(s["live"].double().mean())}
+
+    @torch.no_grad()
+    def fourier_ablation(self, dm: ModularAdditionDataModule, chunk: int = 1 << 15) -> dict[str, float]:
+        """The restricted loss (over every tuple) and the excluded loss (over the training split) at the current
+        key frequencies (:func:`~featlearn.theory.modular_addition.ablation_losses`), in chunks of ``chunk``
+        tuples: one pass over every tuple for the per-residue mean logits, one over the training split."""
+        frequencies = self.key_frequencies()
+        sums = torch.zeros(self.p, self.p, dtype=torch.float64, device=self.device)
+        for split in ("train", "val"):
+            for a, y in _chunks(dm, split, chunk, self.device):
+                sums.index_add_(0, y, self(a).double())
+        means = sums / self.p ** (self.k - 1)  # every residue holds p^(k-1) tuples
+        excluded, restricted = 0.0, math.nan
+        for a, y in _chunks(dm, "train", chunk, self.device):
+            out = ablation_losses(means, frequencies, self(a), y)
+            excluded, restricted = excluded + float(out["excluded"]) * len(y), float(out["restricted"])
+        return {"restricted_loss": restricted, "excluded_loss": excluded / dm.sizes["train"],
+                "key_frequencies": float(len(frequencies))}
 
     def correlations(self) -> torch.Tensor:
         w = self.W.detach().float()
         return (w / w.norm(dim=1, keepdim=True).clamp_min(1e-30)) @ self.features.T
 
     def final_metrics(self) -> dict[str, float]:
-        out = self.spectral_metrics()
-        if self._trainer is not None:  # the last validation's results, where one ran
-            for key, name in (("test_acc", "val/acc"), ("train_acc", "val/train_acc"), ("margin", "theory/margin")):
-                value = self.logged(name)
-                if value is not None:
-                    out[key] = float(value)
-            if "margin" in out:  # the margin is ~1e-4 at these sizes: its ratio to gamma* is what tables show
-                out["margin_ratio"] = out["margin"] / gamma_star(self.k, self.p)
+        out = {**self.spectral_metrics(), **self.accuracy_results()}
+        margin = self.logged("theory/margin") if self._trainer is not None else None
+        if margin is not None:  # the margin is ~1e-4 at these sizes: its ratio to gamma* is what tables show
+            out["margin"] = float(margin)
+            out["margin_ratio"] = out["margin"] / gamma_star(self.k, self.p)
         return out
+
+def _chunks(dm: ModularAdditionDataModule, split: str, chunk: int, device):
+    """A split's tuples and labels in order, ``chunk`` at a time, on ``device``."""
+    n = dm.sizes[split]
+    for start in range(0, n, chunk):
+        sample = dm.sample(torch.arange(start, min(n, start + chunk)), split)
+        yield sample["a"].to(device), sample["y"].to(device)

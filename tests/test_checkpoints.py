@@ -10,10 +10,12 @@ import torch
 
 from featlearn.callbacks import DivergenceGuard, FinalCheckpoint
 from featlearn.experiments.common import build
+from featlearn.datamodules.modular_addition import ModularAdditionDataModule
 from featlearn.datamodules.multiview import MultiViewDataModule
 from featlearn.datamodules.sparse_coding import SparseCodingDataModule
 from featlearn.datamodules.two_feature_patches import TwoFeaturePatchDataModule
 from featlearn.lightning_modules.contrastive import ContrastiveModule
+from featlearn.lightning_modules.modular_addition import FourierMLP
 from featlearn.lightning_modules.mrp import TeacherStudentMRP
 from featlearn.lightning_modules.multiview_classifier import MultiViewClassifier
 from featlearn.lightning_modules.noncontrastive import NonContrastiveModule
@@ -34,9 +36,14 @@ def noncontrastive():
     return NonContrastiveModule(width=2, target="ema", ema_decay=0.9, lr=0.5, backend="torch"), dm
 
 
+def modular_addition():  # configure_optimizers returns the dict form; the warm-up schedule runs across the save
+    dm = ModularAdditionDataModule(k=3, p=5, batch_size=16, seed=2)
+    return FourierMLP(width=12, warmup_steps=10, backend="torch"), dm
+
+
 # (method, steps, periodic save step): each save falls where the step-finishing work is active
 METHODS = {"mrp_norm_cap": (mrp, 12, 7), "contrastive_bias_schedule": (contrastive, 70, 66),
-           "noncontrastive_ema": (noncontrastive, 12, 7)}
+           "noncontrastive_ema": (noncontrastive, 12, 7), "modular_addition_warmup": (modular_addition, 12, 5)}
 
 
 def fit(make, steps, root, every=0, ckpt_path=None):
@@ -125,3 +132,28 @@ def test_ctrl_c_saves_the_step_in_progress_and_a_second_one_keeps_the_last_save(
     assert torch.load(tmp_path / "last.ckpt", weights_only=False)["global_step"] == kept
     said = capsys.readouterr().err
     assert f"holds step {kept}" in said and (times == 1) == (f"interrupted after step {kept}" in said), said
+
+
+def test_a_lowered_lr_resumes_on_the_schedule(tmp_path, one_thread):
+    # FourierMLP's step size is lr times a warm-up factor (step + 1) / 10: resuming the step-5 checkpoint with half
+    # the lr must give half the uninterrupted run's step sizes from there on, schedule included
+    def make(lr):
+        return lambda: (FourierMLP(width=12, warmup_steps=10, lr=lr, backend="torch"),
+                        ModularAdditionDataModule(k=3, p=5, batch_size=16, seed=2))
+
+    rates = {}
+
+    class Rates(L.Callback):
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            rates.setdefault(trainer.ckpt_path is not None, []).append(trainer.optimizers[0].param_groups[0]["lr"])
+
+    fit(make(4e-3), 5, tmp_path / "saved", every=5)
+    for lr, ckpt in ((4e-3, None), (2e-3, tmp_path / "saved" / "step=5.ckpt")):
+        L.seed_everything(0)
+        model, dm = make(lr)()
+        L.Trainer(max_steps=8, max_epochs=-1, logger=False, enable_progress_bar=False, enable_checkpointing=False,
+                  callbacks=[Rates()], limit_val_batches=0, num_sanity_val_steps=0,
+                  default_root_dir=tmp_path).fit(model, dm, ckpt_path=ckpt)
+    straight, resumed = rates[False][5:], rates[True]
+    assert straight == pytest.approx([4e-3 * (s + 1) / 10 for s in (5, 6, 7)], rel=1e-12)
+    assert resumed == pytest.approx([r / 2 for r in straight], rel=1e-12)

@@ -5,8 +5,11 @@ import importlib
 import pytest
 
 MODULES = ["featlearn.kernels.registry", "featlearn.datamodules.modular_addition", "featlearn.theory.modular_addition",
-           "featlearn.lightning_modules.modular_addition", "featlearn.kernels.modular_power_mlp",
-           "featlearn.experiments.modular_addition", "featlearn.experiments.common", "featlearn.experiments.mrp", "featlearn.datamodules.multiview",
+           "featlearn.lightning_modules.modular_addition", "featlearn.lightning_modules.modular_transformer",
+           "featlearn.lightning_modules.modular_base",
+           "featlearn.kernels.modular_power_mlp",
+           "featlearn.experiments.modular_addition", "featlearn.experiments.modular_addition_grokking",
+           "featlearn.experiments.common", "featlearn.experiments.mrp", "featlearn.datamodules.multiview",
            "featlearn.lightning_modules.mrp", "featlearn.lightning_modules.multiview_classifier",
            "featlearn.lightning_modules.multiview_encoder", "featlearn.errors",
            "featlearn.lightning_modules.contrastive", "featlearn.lightning_modules.noncontrastive",

@@ -35,7 +35,7 @@ import pytest
 import torch
 import yaml
 
-from tiny_sizes import HIDDEN, MRP, PARITY, PATCHES, SPARSE, VIT, over
+from tiny_sizes import HIDDEN, MODADD, MRP, PARITY, PATCHES, SPARSE, TRANSFORMER, VIT, over
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
@@ -65,6 +65,9 @@ METHODS = {
     "two_layer": ("two_layer/network.yaml", over(PARITY, dict(width=8, steps=600)), "train/loss", "lr1_mult",
                   HEATMAP + ("neurons/mds",)),
     "universality": ("universality/universal.yaml", HIDDEN, "train/loss", "lr", HEATMAP),
+    "modular_addition": ("modular_addition/mlp.yaml", MODADD, "train/loss", "lr", HEATMAP),
+    "modular_transformer": ("modular_addition/transformer.yaml", TRANSFORMER, "train/loss", "lr",
+                            HEATMAP + ("heads/dft",)),
 }
 
 

@@ -8,7 +8,13 @@ with ``||theta||_{2,k+1} = (sum_i ||theta_i||_2^{k+1})^{1/(k+1)}`` (Def. 4.1, 4.
 over the network class, :func:`gamma_star`; Theorem 4.9 says that a network of width ``m >= 2^{2k-1}(p-1)/2``
 attaining it has every neuron on one frequency ``zeta``: ``u_{i,j}[a] = beta cos(theta_{u_j} + 2 pi zeta a / p)``,
 ``w_i[c] = beta cos(theta_w + 2 pi zeta c / p)`` with ``theta_{u_1} + ... + theta_{u_k} = theta_w``, and every
-frequency used.
+frequency used. :func:`max_margin_network` builds that network (Lemma 4.11's construction).
+
+Grokking's progress measures (Nanda et al. 2023, 2-input), for k inputs: a network's logit for class ``c``
+depends on the tuple through its residue ``s = a_1 + ... + a_k mod p`` alone in a Fourier circuit. Averaging the
+logits over the ``p^(k-1)`` tuples of each residue gives a ``p x p`` table whose Fourier modes over ``s`` at the
+key frequencies are the circuit: :func:`key_frequency_part`. The restricted loss keeps only that part (and each
+class's mean); the excluded loss removes it from every tuple's logits (:func:`ablation_losses`).
 
 Example:
     >>> f"{gamma_star(3, 97):.3g}", f"{gamma_star(4, 47):.3g}"
@@ -16,9 +22,11 @@ Example:
 """
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
+import torch.nn.functional as F
 
 
 def gamma_star(k: int, p: int) -> float:
@@ -104,3 +112,84 @@ def frequency_coverage(frequency: torch.Tensor, p: int) -> torch.Tensor:
         [2, 0, 1]
     """
     return torch.bincount(frequency - 1, minlength=(p - 1) // 2)[: (p - 1) // 2]
+
+
+def max_margin_network(k: int, p: int, dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lemma 4.11's maximum-margin network, ``(U [k, p, m], W [m, p])`` with ``m = 2^(2k-2)(p-1)`` and
+    ``||theta||_{2,k+1} = 1``: it computes ``sum_zeta cos(2 pi zeta (a_1 + ... + a_k - c) / p)`` up to scale.
+
+    Why it works: ``cos`` of a sum expands into the ``2^k`` products of ``cos``/``sin`` of each ``a_j`` and of
+    ``-c`` with an even number of ``sin`` factors (sign -1 when that number is 2 mod 4); the product of the k input
+    factors is ``sum_s (-1)^((k - sum s)/2) (sum_j s_j d_j)^k / (2^k k!)`` over signs ``s`` in ``{+-1}^k``, where
+    ``s`` and ``-s`` give the same term, so ``2^(k-1)`` neurons per product and ``2^(2k-1)`` per frequency. Every
+    neuron has the same norm; each is balanced (``u`` scaled by ``t``, ``w`` by ``t^-k``, the function unchanged)
+    to the smallest norm, then the whole network is scaled to norm 1.
+
+    Example:
+        >>> U, W = max_margin_network(3, 5)
+        >>> U.shape, W.shape, round(float(norm_2_kplus1(U, W)), 12)
+        (torch.Size([3, 5, 64]), torch.Size([64, 5]), 1.0)
+    """
+    a = torch.arange(p, dtype=dtype)
+    scale = 2 / (2 ** k * math.factorial(k))  # s and -s give one neuron: twice 1/(2^k k!)
+    inputs, outputs = [], []
+    for zeta in range(1, (p - 1) // 2 + 1):
+        cos, sin = torch.cos(2 * math.pi * zeta * a / p), torch.sin(2 * math.pi * zeta * a / p)
+        for b in itertools.product((0, 1), repeat=k + 1):
+            if sum(b) % 2:
+                continue
+            sign = -1.0 if sum(b) % 4 == 2 else 1.0
+            factors = [sin if bit else cos for bit in b[:k]]
+            out = -sin if b[k] else cos  # cos / sin of -2 pi zeta c / p
+            for tail in itertools.product((1, -1), repeat=k - 1):
+                s = (1, *tail)
+                inputs.append(torch.stack([sj * d for sj, d in zip(s, factors)]))
+                outputs.append(sign * scale * (-1) ** ((k - sum(s)) // 2) * out)
+    U, W = torch.stack(inputs, -1), torch.stack(outputs)
+    t = (k * W.square().sum(1) / U.square().sum((0, 1))) ** (1 / (2 * k + 2))  # argmin t^2|u|^2 + |w|^2 / t^2k
+    U, W = U * t, W / t.unsqueeze(1) ** k
+    norm = norm_2_kplus1(U, W)  # homogeneous of degree 1 in theta: divide every weight by it
+    return U / norm, W / norm
+
+
+def key_frequency_part(residue_means: torch.Tensor, frequencies: torch.Tensor) -> torch.Tensor:
+    """The part of a ``[p, p]`` table (row ``s``: a residue's mean logits over the classes) made of the Fourier
+    modes over ``s`` at ``frequencies`` (in ``1 .. (p-1)/2``), each class's mean over ``s`` excluded.
+
+    Example:
+        >>> s = torch.arange(7, dtype=torch.float64).unsqueeze(1)
+        >>> table = 2 + torch.cos(2 * math.pi * 3 * s / 7) + torch.sin(2 * math.pi * s / 7)  # every class alike
+        >>> part = key_frequency_part(table.expand(7, 7), torch.tensor([3]))
+        >>> bool(torch.allclose(part, torch.cos(2 * math.pi * 3 * s / 7).expand(7, 7)))
+        True
+    """
+    p = residue_means.shape[0]
+    coeffs = torch.fft.rfft(residue_means.double(), dim=0)
+    keep = torch.zeros(coeffs.shape[0], dtype=torch.bool, device=coeffs.device)
+    keep[frequencies.to(torch.int64)] = True
+    keep[0] = False
+    return torch.fft.irfft(coeffs * keep.unsqueeze(1), n=p, dim=0)
+
+
+def ablation_losses(residue_means: torch.Tensor, frequencies: torch.Tensor, logits: torch.Tensor,
+                    y: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Nanda et al.'s restricted and excluded losses for k inputs, from the ``[p, p]`` per-residue mean logits
+    over all ``p^k`` tuples and one split's logits ``[N, p]`` with labels ``y`` (a tuple's residue is its label):
+
+    * ``restricted``: the cross-entropy, over all tuples, of logits made of each class's mean and the key
+      frequencies' part only (they depend on the residue alone, so the table gives it exactly);
+    * ``excluded``: the split's mean cross-entropy after the key frequencies' part is subtracted from its logits.
+
+    Example:
+        >>> p = 5
+        >>> s = torch.arange(p, dtype=torch.float64)
+        >>> table = 4 * torch.cos(2 * math.pi * (s.unsqueeze(1) - s) / p)  # the circuit at frequency 1
+        >>> out = ablation_losses(table, torch.tensor([1]), table, torch.arange(p))
+        >>> full = F.cross_entropy(table, torch.arange(p))  # all of it is the circuit; excluded = log p
+        >>> round(float(out["restricted"] - full), 12), round(float(out["excluded"]), 4), round(math.log(p), 4)
+        (0.0, 1.6094, 1.6094)
+    """
+    part = key_frequency_part(residue_means, frequencies)
+    restricted = F.cross_entropy(residue_means.double().mean(0) + part, torch.arange(len(part), device=part.device))
+    excluded = F.cross_entropy(logits.double() - part[y], y)
+    return {"restricted": restricted, "excluded": excluded}

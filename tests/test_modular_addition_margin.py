@@ -1,0 +1,104 @@
+"""Dissertation Ch. 4: Lemma 4.11's construction attains the closed-form maximum margin gamma* (Lemma 4.10) with
+the Fourier neurons Theorem 4.9 describes, no nearby network beats it, and the restricted / excluded losses
+(Nanda et al.'s progress measures, for k inputs) split a network's logits into its circuit and the rest."""
+import math
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+
+from featlearn.datamodules.modular_addition import ModularAdditionDataModule, decode
+from featlearn.lightning_modules.modular_addition import FourierMLP, theorem_width
+from featlearn.theory.modular_addition import (ablation_losses, frequency_coverage, gamma_star, key_frequency_part,
+                                               margins, max_margin_network, neuron_spectra, norm_2_kplus1)
+
+SIZES = [(2, 5), (2, 7), (3, 5), (3, 7), (4, 5)]
+
+
+def _all_logits(U: torch.Tensor, W: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every tuple's logits in float64 straight from Eq. 4.2 (no fused op), and the labels."""
+    k, p = U.shape[0], U.shape[1]
+    a = decode(torch.arange(p ** k), k, p)
+    hidden = U[torch.arange(k), a].sum(1)  # [p^k, m]
+    return hidden.pow(k) @ W, a.sum(1) % p
+
+
+def _normalised_margin(U, W):
+    logits, y = _all_logits(U, W)
+    return margins(logits, y).min() / norm_2_kplus1(U, W) ** U.shape[0]
+
+
+@pytest.mark.parametrize("k, p", SIZES)
+def test_the_construction_attains_gamma_star_with_every_tuple_on_the_margin(k, p):
+    U, W = max_margin_network(k, p)
+    assert U.shape == (k, p, theorem_width(k, p)) and float(norm_2_kplus1(U, W)) == pytest.approx(1.0, abs=1e-12)
+    logits, y = _all_logits(U, W)
+    m = margins(logits, y)
+    assert float(m.min()) == pytest.approx(gamma_star(k, p), rel=1e-9)
+    assert float((m.max() - m.min()) / m.min()) < 1e-9  # all on the margin (q = uniform, Def. 4.5)
+    correct = torch.zeros_like(logits, dtype=torch.bool).scatter(1, y.unsqueeze(1), True)
+    spread = logits.masked_fill(correct, -math.inf).amax(1) - logits.masked_fill(correct, math.inf).amin(1)
+    assert float(spread.abs().max()) < 1e-9 * float(m.min())  # every wrong class alike (Condition 4.8)
+
+
+@pytest.mark.parametrize("k, p", [(3, 7), (4, 5)])
+def test_its_neurons_are_the_fourier_neurons_of_theorem_4_9(k, p):
+    U, W = max_margin_network(k, p)
+    s = neuron_spectra(U, W)
+    assert bool(s["shared"].all()) and float(s["power"].min()) > 1 - 1e-12
+    assert float(s["phase_residual"].abs().max()) < 1e-9
+    assert frequency_coverage(s["frequency"], p).tolist() == [2 ** (2 * k - 1)] * ((p - 1) // 2)
+
+
+@pytest.mark.parametrize("k, p", [(2, 5), (3, 5)])
+def test_no_nearby_network_has_a_larger_normalised_margin(k, p):
+    # gamma* is the maximum: fresh random directions, at two step sizes, never raise the normalised margin
+    U, W = max_margin_network(k, p)
+    best = float(_normalised_margin(U, W))
+    gen = torch.Generator().manual_seed(torch.seed() % (1 << 31))
+    for _ in range(20):
+        dU, dW = torch.randn(U.shape, generator=gen, dtype=U.dtype), torch.randn(W.shape, generator=gen, dtype=W.dtype)
+        for eps in (1e-3, 1e-2):
+            scale = eps / math.sqrt(float(dU.square().sum() + dW.square().sum()))
+            assert float(_normalised_margin(U + scale * dU, W + scale * dW)) <= best * (1 + 1e-9)
+
+
+def test_key_frequency_part_separates_a_circuit_from_noise():
+    # logits = the circuit at frequencies {1, 3} + a class bias + noise that is no function of the residue alone
+    p = 7
+    s = torch.arange(p, dtype=torch.float64)
+    circuit = 3 * torch.cos(2 * math.pi * (s[:, None] - s) / p) + 2 * torch.cos(2 * math.pi * 3 * (s[:, None] - s) / p)
+    table = circuit + torch.linspace(-1, 1, p, dtype=torch.float64)  # + each class's mean
+    assert torch.allclose(key_frequency_part(table, torch.tensor([1, 3])), circuit, atol=1e-12)
+    assert torch.allclose(key_frequency_part(table, torch.tensor([3])), circuit - 3 * torch.cos(
+        2 * math.pi * (s[:, None] - s) / p), atol=1e-12)
+    y = torch.randint(0, p, (500,), generator=torch.Generator().manual_seed(1))
+    noise = torch.randn(500, p, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    out = ablation_losses(table, torch.tensor([1, 3]), table[y] + noise, y)
+    mean_bias = torch.linspace(-1, 1, p, dtype=torch.float64)
+    assert float(out["restricted"]) == pytest.approx(float(F.cross_entropy(table, torch.arange(p))), rel=1e-12)
+    assert float(out["excluded"]) == pytest.approx(float(F.cross_entropy(mean_bias + noise, y)), rel=1e-12)
+
+
+def test_the_module_logs_gamma_star_and_the_progress_measures_of_the_planted_circuit(tmp_path):
+    # Lemma 4.11's network planted in FourierMLP (scaled up: the margin is scale-free): through a validation the
+    # logged normalised margin is gamma*; the restricted loss keeps the circuit (the full loss), the excluded
+    # loss removes it (left: each class's mean only, log p)
+    k, p = 3, 5
+    dm = ModularAdditionDataModule(k=k, p=p, batch_size=16, seed=3)
+    model = FourierMLP(ablation=True).attach(dm)
+    U, W = max_margin_network(k, p)
+    with torch.no_grad():
+        model.U.copy_(U * 3.0)
+        model.W.copy_(W * 3.0)
+    trainer = L.Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        default_root_dir=tmp_path, accelerator="cpu")
+    trainer.validate(model, datamodule=dm, verbose=False)
+    logged = trainer.callback_metrics
+    assert float(logged["theory/margin"]) == pytest.approx(gamma_star(k, p), rel=1e-5)
+    assert float(logged["theory/key_frequencies"]) == (p - 1) // 2
+    logits, y = _all_logits(U * 3.0, W * 3.0)
+    assert float(logged["theory/restricted_loss"]) == pytest.approx(float(F.cross_entropy(logits, y)), rel=1e-4)
+    assert float(logged["theory/excluded_loss"]) == pytest.approx(math.log(p), rel=1e-4)
+    assert float(logged["val/acc"]) == 1.0
