@@ -65,7 +65,7 @@ two-layer: $(STAMP)  ## Shi's dissertation ch. 2: Table A.1 (parity, d = 500), n
 universality: $(STAMP)  ## Shi's dissertation ch. 7: universality vs label efficiency, contrastive regularisation
 	$(PY) -m featlearn.experiments.universality --seed 0 1 2 --out runs/universality
 
-modular-addition: $(STAMP)  ## Shi's dissertation ch. 4: Fourier neurons of the k-input modular-addition MLP (k = 3, p = 23)
+modular-addition: $(STAMP)  ## Shi's dissertation ch. 4: Fourier neurons of the k-input MLP (k = 3, p = 23), grokking against k
 	$(PY) -m featlearn.experiments.modular_addition --seed 0 1 2 --out runs/modular_addition
 
 large-k: $(STAMP)  ## MRP over k on one CPU thread (configs/large_k/mrp_k_cpu.yaml), resumable
