@@ -132,7 +132,7 @@ def main(argv=None) -> dict:
                     f"# Shi 2024, Chapter 4, Fig. 4.4: grokking against k (the MLP)\n\n{grokking.grokking_table(grokked)}"
                     f"\n\n{notes}", figures=grokking.grokking_figures(grokked, args.seed[0]))
     if not fourier:
-        return {"grokking": grokked, "wall_s": wall}
+        return {"grokking": grokked, "wall_s": time.time() - t0}
     seeds = " ".join(map(str, args.seed))
     m = theorem_width(args.k, args.p)
     notes = (f"k = {args.k}, p = {args.p} ({args.p ** args.k:,} tuples, half trained on), batch 1024, AdamW (0.9, "

@@ -24,7 +24,7 @@ from featlearn.metrics.figures import plt
 SIZES = ((2, 97), (3, 31), (4, 11), (5, 5))
 """The chapter's (k, p), chosen for roughly equal dataset sizes."""
 GROKKING = {"model.init_args.lr": 0.001, "model.init_args.lam": 0.3, "model.init_args.ablation": True}
-"""One setting for every (k, p) (overrides of ``configs/modular_addition/mlp.yaml``), chosen on seed 0 at
+"""One setting for every (k, p) (overrides of ``configs/modular_addition/mlp.yaml``), chosen in trials on seed 0 at
 (2, 97) for the clearest delay (lambda 1.0: 800 steps; 0.3: 2300), then run unchanged at every k."""
 STEPS, EVERY = 6000, 100
 CURVES = {"val/train_acc": "train_acc", "val/acc": "test_acc", "theory/restricted_loss": "restricted_loss",

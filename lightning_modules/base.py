@@ -31,7 +31,7 @@ import inspect
 import lightning as L
 import torch
 from lightning.fabric.utilities.data import AttributeDict
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.profiler import record_function
 
 from featlearn.datamodules.base import SyntheticDataModule
@@ -174,8 +174,11 @@ class FeatureLearningModule(L.LightningModule):
         states = checkpoint.get("optimizer_states") or []
         if not states:  # nothing to update (one seed of a stack: the stack's optimizer holds its state)
             return
-        schedules = checkpoint.get("lr_schedulers") or []
-        for i, (state, optimizer) in enumerate(zip(states, _optimizers(self.configure_optimizers()))):
+        optimizers, schedulers = _optimizers_and_schedulers(self.configure_optimizers())
+        saved = checkpoint.get("lr_schedulers") or []  # Lightning's order: the order configure_optimizers gives
+        for state, optimizer in zip(states, optimizers):
+            owned = [saved[j] for j, sched in enumerate(schedulers) if j < len(saved)
+                     and getattr(sched, "optimizer", None) is optimizer]
             for g, (old, new) in enumerate(zip(state["param_groups"], optimizer.param_groups)):
                 scheduled = "initial_lr" in new and "initial_lr" in old
                 for key, value in new.items():
@@ -184,13 +187,19 @@ class FeatureLearningModule(L.LightningModule):
                     if old.get(key) != value:
                         rank_zero_info(f"resume: optimizer {key} {old.get(key)!r} -> {value!r} (from the config)")
                         old[key] = value
-                if scheduled and old["initial_lr"] != new["initial_lr"]:
-                    rank_zero_info(f"resume: optimizer lr {old['initial_lr']!r} -> {new['initial_lr']!r} before the "
-                                   f"schedule (from the config)")
-                    old["lr"] *= new["initial_lr"] / old["initial_lr"]
-                    old["initial_lr"] = new["initial_lr"]
-                    if i < len(schedules) and "base_lrs" in schedules[i]:
-                        schedules[i]["base_lrs"][g] = new["initial_lr"]
+                if not scheduled or old["initial_lr"] == new["initial_lr"]:
+                    continue
+                if not owned or any("base_lrs" not in sched or "_schedulers" in sched for sched in owned):
+                    # a chained schedule keeps its base step sizes inside its parts: not rebased here
+                    rank_zero_warn(f"resume: the config's lr {new['initial_lr']!r} is not applied: the checkpoint's "
+                                   f"schedule of it cannot be rebased (the run keeps {old['initial_lr']!r})")
+                    continue
+                rank_zero_info(f"resume: optimizer lr {old['initial_lr']!r} -> {new['initial_lr']!r} before the "
+                               f"schedule (from the config)")
+                old["lr"] *= new["initial_lr"] / old["initial_lr"]
+                old["initial_lr"] = new["initial_lr"]
+                for sched in owned:
+                    sched["base_lrs"][g] = new["initial_lr"]
 
     @property
     def hparams_initial(self):
@@ -277,23 +286,31 @@ class FeatureLearningModule(L.LightningModule):
         return {"correlation": self.correlations()}
 
 
-def _optimizers(configured) -> list:
-    """The optimizers in whatever form ``configure_optimizers`` returned them: one, a list, a dict with an
-    ``optimizer`` (and its ``lr_scheduler``), a list of such dicts, or ``(optimizers, schedulers)``.
+def _optimizers_and_schedulers(configured) -> tuple[list, list]:
+    """The optimizers and the step-size schedulers, in Lightning's order, of whatever form
+    ``configure_optimizers`` returned: one optimizer, a list, a dict with an ``optimizer`` (and its
+    ``lr_scheduler``, itself a scheduler or a dict with a ``scheduler``), a list of such dicts, or
+    ``(optimizers, schedulers)``.
 
     Example:
         >>> opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
         >>> sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
-        >>> [len(_optimizers(form)) for form in (opt, [opt, opt], {"optimizer": opt}, ([opt], [sched]))]
-        [1, 2, 1, 1]
+        >>> forms = (opt, [opt, opt], {"optimizer": opt, "lr_scheduler": {"scheduler": sched}}, ([opt], [sched]))
+        >>> [tuple(map(len, _optimizers_and_schedulers(form))) for form in forms]
+        [(1, 0), (2, 0), (1, 1), (1, 1)]
     """
+    def scheduler(entry):
+        return entry["scheduler"] if isinstance(entry, dict) else entry
+
     if isinstance(configured, dict):
-        return [configured["optimizer"]]
-    if isinstance(configured, tuple) and len(configured) == 2 and all(isinstance(c, list) for c in configured):
-        return list(configured[0])
+        plan = configured.get("lr_scheduler")
+        return [configured["optimizer"]], [] if plan is None else [scheduler(plan)]
+    if isinstance(configured, (list, tuple)) and len(configured) == 2 and all(isinstance(c, list) for c in configured):
+        return list(configured[0]), [scheduler(entry) for entry in configured[1]]
     if isinstance(configured, (list, tuple)):
-        return [opt for entry in configured for opt in _optimizers(entry)]
-    return [configured]
+        parts = [_optimizers_and_schedulers(entry) for entry in configured]
+        return [o for opts, _ in parts for o in opts], [s for _, scheds in parts for s in scheds]
+    return [configured], []
 
 
 def _public(params: dict) -> dict:

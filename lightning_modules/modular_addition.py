@@ -46,7 +46,7 @@ from featlearn.kernels.backend import Backend, Precision
 from featlearn.kernels.modular_power_mlp import modular_power_mlp
 from featlearn.lightning_modules.modular_base import ModularAdditionMethod
 from featlearn.theory.modular_addition import (ablation_losses, frequency_coverage, gamma_star,
-                                               neuron_spectra, norm_2_kplus1)
+                                               key_frequency_part, neuron_spectra, norm_2_kplus1)
 from featlearn.validation import (NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, check_args,
                                   check_memory)
 
@@ -96,6 +96,10 @@ class FourierMLP(ModularAdditionMethod):
         self.m = hp.width or theorem_width(dm.k, dm.p)
         self.power = hp.power or dm.k
         self.remember_splits(dm)
+        # ablation evaluates every tuple itself: its own DataModule's split (under --seeds the trainer's is the
+        # stack's), kept only then; validation-sized chunks (the batch the memory check allows for)
+        self.ablation_data = dm if hp.ablation else None
+        self.ablation_chunk = dm.batch_size or dm.sizes["train"]
         # the weights, their gradients and AdamW's two moments, and a step's [B, m] temporaries (the torch path's)
         rows = dm.batch_size or dm.sizes["train"]
         check_memory("model", FourierMLP, {"width": self.m}, 4 * 4 * (dm.k + 1) * dm.p * self.m + 3 * 4 * rows * self.m,
@@ -133,8 +137,8 @@ class FourierMLP(ModularAdditionMethod):
             scale = float(norm_2_kplus1(self.U.detach().double(), self.W.detach().double())) ** (self.k + 1)
             self.log("theory/margin", smallest_margin / scale)
             self.log("theory/gamma_star", gamma_star(self.k, self.p))
-        if whole and self.hparams.ablation and self.trainer.datamodule is not None:
-            for name, value in self.fourier_ablation(self.trainer.datamodule).items():
+        if whole and self.ablation_data is not None:
+            for name, value in self.fourier_ablation(self.ablation_data, self.ablation_chunk).items():
                 self.log(f"theory/{name}", value)
 
     # --- theory ---------------------------------------------------------------------------------
@@ -169,19 +173,20 @@ class FourierMLP(ModularAdditionMethod):
                 "frequencies_used": float(used.double().mean()), "live_neurons": float(s["live"].double().mean())}
 
     @torch.no_grad()
-    def fourier_ablation(self, dm: ModularAdditionDataModule, chunk: int = 1 << 15) -> dict[str, float]:
-        """The restricted loss (over every tuple) and the excluded loss (over the training split) at the current
-        key frequencies (:func:`~featlearn.theory.modular_addition.ablation_losses`), in chunks of ``chunk``
-        tuples: one pass over every tuple for the per-residue mean logits, one over the training split."""
+    def fourier_ablation(self, dm: ModularAdditionDataModule, chunk: int = 1024) -> dict[str, float]:
+        """The restricted loss (over every tuple) and the excluded loss (over ``dm``'s training split) at the
+        current key frequencies (:func:`~featlearn.theory.modular_addition.ablation_losses`), in chunks of
+        ``chunk`` tuples: one pass over every tuple for the per-residue mean logits, one over the training split."""
         frequencies = self.key_frequencies()
         sums = torch.zeros(self.p, self.p, dtype=torch.float64, device=self.device)
         for split in ("train", "val"):
             for a, y in _chunks(dm, split, chunk, self.device):
                 sums.index_add_(0, y, self(a).double())
         means = sums / self.p ** (self.k - 1)  # every residue holds p^(k-1) tuples
+        part = key_frequency_part(means, frequencies)
         excluded, restricted = 0.0, math.nan
         for a, y in _chunks(dm, "train", chunk, self.device):
-            out = ablation_losses(means, frequencies, self(a), y)
+            out = ablation_losses(means, frequencies, self(a), y, part)
             excluded, restricted = excluded + float(out["excluded"]) * len(y), float(out["restricted"])
         return {"restricted_loss": restricted, "excluded_loss": excluded / dm.sizes["train"],
                 "key_frequencies": float(len(frequencies))}

@@ -157,3 +157,28 @@ def test_a_lowered_lr_resumes_on_the_schedule(tmp_path, one_thread):
     straight, resumed = rates[False][5:], rates[True]
     assert straight == pytest.approx([4e-3 * (s + 1) / 10 for s in (5, 6, 7)], rel=1e-12)
     assert resumed == pytest.approx([r / 2 for r in straight], rel=1e-12)
+
+
+class _TwoOptimizers(FourierMLP):
+    """Two optimizers, only the second on a warm-up schedule: ``([plain, scheduled], [its schedule])``."""
+
+    def configure_optimizers(self):
+        plain = torch.optim.SGD([self.U], lr=self.hparams.lr)
+        scheduled = torch.optim.AdamW([self.W], lr=self.hparams.lr)
+        return [plain, scheduled], [torch.optim.lr_scheduler.LambdaLR(scheduled, lambda step: (step + 1) / 10)]
+
+
+def test_resume_rebases_the_schedule_of_its_own_optimizer():
+    dm = ModularAdditionDataModule(k=3, p=5, batch_size=16, seed=2)
+    old = _TwoOptimizers(width=12, lr=4e-3).attach(dm)
+    optimizers, schedules = old.configure_optimizers()
+    for _ in range(4):  # four scheduled steps: the second optimizer's lr is 4e-3 * 5 / 10
+        optimizers[1].step()
+        schedules[0].step()
+    checkpoint = {"optimizer_states": [o.state_dict() for o in optimizers],
+                  "lr_schedulers": [s.state_dict() for s in schedules]}
+    _TwoOptimizers(width=12, lr=2e-3).attach(dm).on_load_checkpoint(checkpoint)
+    plain, scheduled = (state["param_groups"][0] for state in checkpoint["optimizer_states"])
+    assert plain["lr"] == 2e-3  # no schedule: the config's lr as it is
+    assert scheduled["lr"] == pytest.approx(2e-3 * 5 / 10, rel=1e-12) and scheduled["initial_lr"] == 2e-3
+    assert checkpoint["lr_schedulers"][0]["base_lrs"] == [2e-3]

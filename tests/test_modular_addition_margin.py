@@ -2,6 +2,7 @@
 the Fourier neurons Theorem 4.9 describes, no nearby network beats it, and the restricted / excluded losses
 (Nanda et al.'s progress measures, for k inputs) split a network's logits into its circuit and the rest."""
 import math
+import random
 
 import lightning as L
 import pytest
@@ -26,7 +27,7 @@ def _all_logits(U: torch.Tensor, W: torch.Tensor) -> tuple[torch.Tensor, torch.T
 
 def _normalised_margin(U, W):
     logits, y = _all_logits(U, W)
-    return margins(logits, y).min() / norm_2_kplus1(U, W) ** U.shape[0]
+    return margins(logits, y).min() / norm_2_kplus1(U, W) ** (U.shape[0] + 1)  # (k+1)-homogeneous
 
 
 @pytest.mark.parametrize("k, p", SIZES)
@@ -56,12 +57,14 @@ def test_no_nearby_network_has_a_larger_normalised_margin(k, p):
     # gamma* is the maximum: fresh random directions, at two step sizes, never raise the normalised margin
     U, W = max_margin_network(k, p)
     best = float(_normalised_margin(U, W))
-    gen = torch.Generator().manual_seed(torch.seed() % (1 << 31))
+    seed = random.SystemRandom().randrange(1 << 31)  # fresh each run, without touching torch's global RNG
+    gen = torch.Generator().manual_seed(seed)
     for _ in range(20):
         dU, dW = torch.randn(U.shape, generator=gen, dtype=U.dtype), torch.randn(W.shape, generator=gen, dtype=W.dtype)
         for eps in (1e-3, 1e-2):
             scale = eps / math.sqrt(float(dU.square().sum() + dW.square().sum()))
-            assert float(_normalised_margin(U + scale * dU, W + scale * dW)) <= best * (1 + 1e-9)
+            assert float(_normalised_margin(U + scale * dU, W + scale * dW)) <= best * (1 + 1e-9), f"seed {seed}"
+    assert float(_normalised_margin(2 * U, 2 * W)) == pytest.approx(best, rel=1e-12)  # scale-free
 
 
 def test_key_frequency_part_separates_a_circuit_from_noise():
@@ -102,3 +105,21 @@ def test_the_module_logs_gamma_star_and_the_progress_measures_of_the_planted_cir
     assert float(logged["theory/restricted_loss"]) == pytest.approx(float(F.cross_entropy(logits, y)), rel=1e-4)
     assert float(logged["theory/excluded_loss"]) == pytest.approx(math.log(p), rel=1e-4)
     assert float(logged["val/acc"]) == 1.0
+
+
+def test_each_seed_of_a_stack_ablates_over_its_own_split(tmp_path):
+    # under --seeds the trainer's DataModule is the stack's: each member must evaluate its own seed's split
+    from featlearn.cli import make_cli
+
+    args = ["fit", "--config", "configs/modular_addition/mlp.yaml", "--trainer.logger", "false",
+            "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(tmp_path),
+            "--data.init_args.k", "3", "--data.init_args.p", "5", "--data.init_args.batch_size", "16",
+            "--model.init_args.width", "12", "--model.init_args.ablation", "true", "--trainer.max_steps", "6",
+            "--trainer.val_check_interval", "3"]
+    stack = make_cli([*args, "--seeds", "[3, 5]"]).model
+    alone = make_cli([*args, "--seed_everything", "5", "--data.init_args.seed", "5", "--model.init_args.seed", "5"]).model
+    member = stack.members[1]
+    assert member.ablation_data.seed == 5
+    mine, theirs = member.fourier_ablation(member.ablation_data), alone.fourier_ablation(alone.ablation_data)
+    assert mine == theirs and mine["excluded_loss"] != stack.members[0].fourier_ablation(
+        stack.members[0].ablation_data)["excluded_loss"]

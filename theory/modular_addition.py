@@ -172,13 +172,15 @@ def key_frequency_part(residue_means: torch.Tensor, frequencies: torch.Tensor) -
 
 
 def ablation_losses(residue_means: torch.Tensor, frequencies: torch.Tensor, logits: torch.Tensor,
-                    y: torch.Tensor) -> dict[str, torch.Tensor]:
+                    y: torch.Tensor, part: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Nanda et al.'s restricted and excluded losses for k inputs, from the ``[p, p]`` per-residue mean logits
     over all ``p^k`` tuples and one split's logits ``[N, p]`` with labels ``y`` (a tuple's residue is its label):
 
     * ``restricted``: the cross-entropy, over all tuples, of logits made of each class's mean and the key
       frequencies' part only (they depend on the residue alone, so the table gives it exactly);
     * ``excluded``: the split's mean cross-entropy after the key frequencies' part is subtracted from its logits.
+
+    ``part``: :func:`key_frequency_part` of the table, where the caller has it already (a split in chunks).
 
     Example:
         >>> p = 5
@@ -189,7 +191,7 @@ def ablation_losses(residue_means: torch.Tensor, frequencies: torch.Tensor, logi
         >>> round(float(out["restricted"] - full), 12), round(float(out["excluded"]), 4), round(math.log(p), 4)
         (0.0, 1.6094, 1.6094)
     """
-    part = key_frequency_part(residue_means, frequencies)
+    part = key_frequency_part(residue_means, frequencies) if part is None else part
     restricted = F.cross_entropy(residue_means.double().mean(0) + part, torch.arange(len(part), device=part.device))
     excluded = F.cross_entropy(logits.double() - part[y], y)
     return {"restricted": restricted, "excluded": excluded}
