@@ -88,6 +88,11 @@ CASES.update({
     # slice of the epoch's order; the fused op's embedding gradient adds rows with index_add_ (torch) per rank
     "modular_addition": ("modular_addition/mlp.yaml", ["--data.k", "3", "--data.p", "7", "--model.width", "12",
                                                        "--model.backend", "torch"], 16, 16, torch.float32),
+    # its transformer (SDPA; dropout off: each rank would draw its own masks)
+    "modular_transformer": ("modular_addition/transformer.yaml",
+                            ["--data.k", "3", "--data.p", "7", "--model.heads", "2", "--model.hidden", "16",
+                             "--model.head_dim", "4", "--model.mlp_hidden", "32", "--model.dropout", "0.0"], 16, 16,
+                            torch.float32),
 })
 DEFAULT = ("contrastive", "contrastive_full_batch", "mrp_teacher_student", "mrp_supervised", "noncontrastive_sample",
            "noncontrastive_population", "vit_mae", "vit_cl", "two_layer", "universality")
