@@ -10,8 +10,9 @@ Eq. 4.1): every tuple ``a = (a_1, ..., a_k)`` of ``Z_p^k`` with label ``c = (a_1
   puts tuples ``pi(0), ..., pi(n_train - 1)`` in the training split and the rest in the held-out split, with
   ``n_train`` = ``train_fraction p^k`` rounded to the nearest integer: exactly that many, the chapter's
   "even split" at 0.5. Validation and test are both the held-out split (the chapter evaluates on the other
-  half), served in order and in batches, so every evaluation covers every held-out tuple once; validation
-  also serves the whole training split in order (a second dataloader), for full-split training accuracy.
+  half), served in order and in batches, so every evaluation covers every held-out tuple once (under DDP each
+  rank its own contiguous range, :class:`RankRange`); validation also serves the whole training split in order
+  (a second dataloader), for full-split training accuracy.
 * **Training batches** are epochs of the training split in a per-epoch order that is a function of (seed,
   epoch), sliced by rank (the base class's fixed mode), so they do not depend on batch size per device,
   workers or device count.
@@ -34,7 +35,7 @@ import math
 from functools import partial
 
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, DistributedSampler
 
 from featlearn.datamodules import rng
 from featlearn.datamodules.base import SyntheticDataModule, _collate, _Indices
@@ -78,6 +79,27 @@ def fourier_modes(p: int, dtype=torch.float64) -> torch.Tensor:
     zeta = torch.arange(1, (p - 1) // 2 + 1, dtype=dtype).unsqueeze(1)
     angle = 2 * math.pi * zeta * a / p
     return torch.cat([torch.cos(angle), torch.sin(angle)]) * math.sqrt(2 / p)
+
+
+class RankRange(DistributedSampler):
+    """Indices ``[rank n / world, (rank + 1) n / world)`` of ``n``, in order: a rank's share of a split for
+    evaluation, without the padding of Lightning's default sampler (which repeats up to ``world - 1`` samples so
+    that every rank has as many); being a ``DistributedSampler``, Lightning keeps it.
+
+    Example:
+        >>> tuple(tuple(RankRange(7, rank, 3)) for rank in range(3))
+        ((0, 1), (2, 3), (4, 5, 6))
+    """
+
+    def __init__(self, n: int, rank: int, world: int):
+        super().__init__(_Indices(n), num_replicas=world, rank=rank, shuffle=False)
+        self.start, self.stop = rank * n // world, (rank + 1) * n // world
+
+    def __iter__(self):
+        return iter(range(self.start, self.stop))
+
+    def __len__(self) -> int:
+        return self.stop - self.start
 
 
 class ModularAdditionDataModule(SyntheticDataModule):
@@ -127,13 +149,21 @@ class ModularAdditionDataModule(SyntheticDataModule):
         # decoded on the fly: cheaper than caching p^k / 2 tuples (1.5e8 at k = 6, p = 23)
         return {**self.sample(index, split), "index": index}
 
+    def _whole(self, split: str, served_as: str) -> DataLoader:
+        """Every sample of ``split`` once, in order, in batches of ``batch_size``: under DDP each rank reads its own
+        contiguous range (:class:`RankRange`), none padded, so sums over ranks count every tuple exactly once."""
+        n = self.sizes[split]
+        _, rank, world = self._world()
+        return DataLoader(_Indices(n), batch_size=self.batch_size or n, sampler=RankRange(n, rank, world),
+                          collate_fn=partial(_collate, split=served_as), num_workers=0)
+
     def val_dataloader(self) -> list[DataLoader]:
         """The held-out split, then the whole training split in order (a full-split training accuracy and the
-        margin over every tuple), both in batches of ``batch_size``."""
-        n = self.sizes["train"]
-        whole_train = DataLoader(_Indices(n), batch_size=self.batch_size or n, shuffle=False,
-                                 collate_fn=partial(_collate, split="train_full"), num_workers=0)
-        return [self._loader("val"), whole_train]
+        margin over every tuple), both in batches of ``batch_size``, each rank its own range."""
+        return [self._whole("val", "val"), self._whole("train", "train_full")]
+
+    def test_dataloader(self) -> DataLoader:
+        return self._whole("test", "test")
 
     def on_after_batch_transfer(self, batch, dataloader_idx: int):
         if isinstance(batch, dict) and batch.get("split") == "train_full":  # in order, not a training batch

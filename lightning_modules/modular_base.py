@@ -7,8 +7,8 @@ and :class:`~featlearn.lightning_modules.modular_transformer.ModularTransformer`
   size ramped linearly over ``warmup_steps`` steps (the chapter's code base's schedule).
 * **Evaluation.** The DataModule serves the whole held-out split (dataloader 0) and the whole training split
   (1); each validation logs ``val/acc`` and ``val/loss`` of the first and ``val/train_acc`` of the second, from
-  sums over every batch and every process (a rank that saw no batch of a split adds zeros; under DDP Lightning's
-  sampler pads a split to a multiple of the ranks, so up to ranks - 1 tuples count twice), then calls
+  sums over every batch and every process (under DDP each rank scores its own range of each split, none padded,
+  so every tuple counts once; a rank that saw no batch of a split adds zeros), then calls
   :meth:`ModularAdditionMethod.after_validation` with whether every tuple was seen and the smallest margin.
 
 Example:
