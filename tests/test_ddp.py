@@ -341,15 +341,3 @@ def test_a_lost_rank_is_one_line_naming_it_and_the_last_checkpoint(tmp_path, kil
     assert said, text[-3000:]
     assert torch.load(last, weights_only=False)["global_step"] == int(said.group(2))
 
-
-def test_modular_addition_validation_counts_every_tuple_once(tmp_path):
-    """Ch. 4's whole-split accuracies and loss on two processes (splits of 171 and 172 tuples: odd, so
-    Lightning's default sampler would repeat one) equal one process's: each rank scores its own range, unpadded."""
-    config, overrides, batch = CASES["modular_addition"][:3]
-    overrides = [*overrides, "--trainer.limit_val_batches", "1.0", "--trainer.val_check_interval", "2",
-                 "--trainer.check_val_every_n_epoch", "null"]
-    double = _fit_logged(tmp_path, config, overrides, devices=2, batch_size=batch, prefix="val/")
-    single = _fit_logged(tmp_path, config, overrides, devices=1, batch_size=2 * batch, prefix="val/")
-    assert {"val/acc", "val/train_acc", "val/loss"} <= set(single), sorted(single)
-    for tag in ("val/acc", "val/train_acc", "val/loss"):
-        assert double[tag] == pytest.approx(single[tag], rel=1e-5, abs=1e-7), tag

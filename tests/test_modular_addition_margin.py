@@ -1,6 +1,7 @@
 """Dissertation Ch. 4: Lemma 4.11's construction attains the closed-form maximum margin gamma* (Lemma 4.10) with
 the Fourier neurons Theorem 4.9 describes, no nearby network beats it, and the restricted / excluded losses
-(Nanda et al.'s progress measures, for k inputs) split a network's logits into its circuit and the rest."""
+(Nanda et al.'s progress measures, for k inputs) split a network's logits into its circuit and the rest, on one
+process, per seed of a stack and, for the whole-split metrics, over two DDP processes."""
 import math
 import random
 
@@ -123,3 +124,18 @@ def test_each_seed_of_a_stack_ablates_over_its_own_split(tmp_path):
     mine, theirs = member.fourier_ablation(member.ablation_data), alone.fourier_ablation(alone.ablation_data)
     assert mine == theirs and mine["excluded_loss"] != stack.members[0].fourier_ablation(
         stack.members[0].ablation_data)["excluded_loss"]
+
+
+def test_modular_addition_validation_counts_every_tuple_once(tmp_path):
+    """Ch. 4's whole-split accuracies and loss on two processes (splits of 171 and 172 tuples: odd, so
+    Lightning's default sampler would repeat one) equal one process's: each rank scores its own range, unpadded."""
+    from test_ddp import CASES, _fit_logged
+
+    config, overrides, batch = CASES["modular_addition"][:3]
+    overrides = [*overrides, "--trainer.limit_val_batches", "1.0", "--trainer.val_check_interval", "2",
+                 "--trainer.check_val_every_n_epoch", "null"]
+    double = _fit_logged(tmp_path, config, overrides, devices=2, batch_size=batch, prefix="val/")
+    single = _fit_logged(tmp_path, config, overrides, devices=1, batch_size=2 * batch, prefix="val/")
+    assert {"val/acc", "val/train_acc", "val/loss"} <= set(single), sorted(single)
+    for tag in ("val/acc", "val/train_acc", "val/loss"):
+        assert double[tag] == pytest.approx(single[tag], rel=1e-5, abs=1e-7), tag
