@@ -10,6 +10,7 @@ MODULES = ["featlearn.kernels.registry", "featlearn.datamodules.modular_addition
            "featlearn.lightning_modules.modular_base",
            "featlearn.kernels.modular_power_mlp",
            "featlearn.experiments.modular_addition", "featlearn.experiments.modular_addition_grokking",
+           "featlearn.experiments.looped_transformer",
            "featlearn.experiments.common", "featlearn.experiments.mrp", "featlearn.datamodules.multiview",
            "featlearn.lightning_modules.mrp", "featlearn.lightning_modules.multiview_classifier",
            "featlearn.lightning_modules.multiview_encoder", "featlearn.errors",

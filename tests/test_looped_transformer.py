@@ -61,3 +61,15 @@ def test_kappa_of_gaussian_prompts_at_fig_8_1_sizes(n, mean):
     kappa = condition_number(torch.randn(4000, n, 4, generator=gen, dtype=torch.float64))
     se = float(kappa.std()) / math.sqrt(len(kappa))
     assert abs(float(kappa.mean()) - mean) < 5 * se + 0.01 * mean
+
+
+def test_the_fig_8_1_experiment_writes_its_table(tmp_path):
+    from featlearn.experiments import looped_transformer as experiment
+
+    results = experiment.main(["--seed", "3", "--out", str(tmp_path)])
+    for n in experiment.SIZES:
+        r = results[3][n]
+        assert r["gd_gap"] < 1e-12 and len(r["curve"]) == experiment.LOOPS + 1
+        assert r["rate"] < r["bound_rate"] < 0  # faster than Theorem 8.25's bound, which is a bound
+    assert "| n = 128 |" in (tmp_path / "looped_transformer.md").read_text()
+    assert (tmp_path / "looped_transformer_curves.png").is_file()
