@@ -1,5 +1,6 @@
-"""What the k-input modular-addition methods (Shi 2024, Ch. 4: :class:`~featlearn.lightning_modules.modular_addition.FourierMLP`
-and :class:`~featlearn.lightning_modules.modular_transformer.ModularTransformer`) share: the training step of a
+"""What the k-input modular-addition methods of Shi 2024, Ch. 4 share
+(:class:`~featlearn.lightning_modules.modular_addition.FourierMLP`,
+:class:`~featlearn.lightning_modules.modular_transformer.ModularTransformer`): the training step of a
 ``batch_loss``, AdamW with a linear warm-up, and evaluation over whole splits.
 
 * **Training.** ``batch_loss(batch) -> (loss, logits [B, p])``; ``train/loss`` and ``train/acc`` of the batch

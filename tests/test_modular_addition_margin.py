@@ -118,7 +118,8 @@ def test_each_seed_of_a_stack_ablates_over_its_own_split(tmp_path):
             "--model.init_args.width", "12", "--model.init_args.ablation", "true", "--trainer.max_steps", "6",
             "--trainer.val_check_interval", "3"]
     stack = make_cli([*args, "--seeds", "[3, 5]"]).model
-    alone = make_cli([*args, "--seed_everything", "5", "--data.init_args.seed", "5", "--model.init_args.seed", "5"]).model
+    seeded = ["--seed_everything", "5", "--data.init_args.seed", "5", "--model.init_args.seed", "5"]
+    alone = make_cli([*args, *seeded]).model
     member = stack.members[1]
     assert member.ablation_data.seed == 5
     mine, theirs = member.fourier_ablation(member.ablation_data), alone.fourier_ablation(alone.ablation_data)
