@@ -97,9 +97,8 @@ class FourierMLP(ModularAdditionMethod):
         self.power = hp.power or dm.k
         self.remember_splits(dm)
         # ablation evaluates every tuple itself: its own DataModule's split (under --seeds the trainer's is the
-        # stack's), kept only then; validation-sized chunks (the batch the memory check allows for)
+        # stack's), kept only then
         self.ablation_data = dm if hp.ablation else None
-        self.ablation_chunk = dm.batch_size or dm.sizes["train"]
         # the weights, their gradients and AdamW's two moments, and a step's [B, m] temporaries (the torch path's)
         rows = dm.batch_size or dm.sizes["train"]
         check_memory("model", FourierMLP, {"width": self.m}, 4 * 4 * (dm.k + 1) * dm.p * self.m + 3 * 4 * rows * self.m,
@@ -138,7 +137,7 @@ class FourierMLP(ModularAdditionMethod):
             self.log("theory/margin", smallest_margin / scale)
             self.log("theory/gamma_star", gamma_star(self.k, self.p))
         if whole and self.ablation_data is not None:
-            for name, value in self.fourier_ablation(self.ablation_data, self.ablation_chunk).items():
+            for name, value in self.fourier_ablation(self.ablation_data).items():
                 self.log(f"theory/{name}", value)
 
     # --- theory ---------------------------------------------------------------------------------
@@ -173,11 +172,12 @@ class FourierMLP(ModularAdditionMethod):
                 "frequencies_used": float(used.double().mean()), "live_neurons": float(s["live"].double().mean())}
 
     @torch.no_grad()
-    def fourier_ablation(self, dm: ModularAdditionDataModule, chunk: int = 1024) -> dict[str, float]:
+    def fourier_ablation(self, dm: ModularAdditionDataModule) -> dict[str, float]:
         """The restricted loss (over every tuple) and the excluded loss (over ``dm``'s training split) at the
-        current key frequencies (:func:`~featlearn.theory.modular_addition.ablation_losses`), in chunks of
-        ``chunk`` tuples: one pass over every tuple for the per-residue mean logits, one over the training split."""
-        frequencies = self.key_frequencies()
+        current key frequencies (:func:`~featlearn.theory.modular_addition.ablation_losses`), in chunks of a batch
+        (the size the memory check allows for): one pass over every tuple for the per-residue mean logits, one over
+        the training split."""
+        frequencies, chunk = self.key_frequencies(), dm.batch_size or dm.sizes["train"]
         sums = torch.zeros(self.p, self.p, dtype=torch.float64, device=self.device)
         for split in ("train", "val"):
             for a, y in _chunks(dm, split, chunk, self.device):

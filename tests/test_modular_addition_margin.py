@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from featlearn.datamodules.modular_addition import ModularAdditionDataModule, decode
+from featlearn.kernels.modular_power_mlp import modular_power_mlp_reference
 from featlearn.lightning_modules.modular_addition import FourierMLP, theorem_width
 from featlearn.theory.modular_addition import (ablation_losses, frequency_coverage, gamma_star, key_frequency_part,
                                                margins, max_margin_network, neuron_spectra, norm_2_kplus1)
@@ -19,11 +20,10 @@ SIZES = [(2, 5), (2, 7), (3, 5), (3, 7), (4, 5)]
 
 
 def _all_logits(U: torch.Tensor, W: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every tuple's logits in float64 straight from Eq. 4.2 (no fused op), and the labels."""
+    """Every tuple's logits from Eq. 4.2 (the op's plain reference, in U's float64), and the labels."""
     k, p = U.shape[0], U.shape[1]
     a = decode(torch.arange(p ** k), k, p)
-    hidden = U[torch.arange(k), a].sum(1)  # [p^k, m]
-    return hidden.pow(k) @ W, a.sum(1) % p
+    return modular_power_mlp_reference(a, U, W, k), a.sum(1) % p
 
 
 def _normalised_margin(U, W):
