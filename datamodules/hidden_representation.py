@@ -108,6 +108,7 @@ class HiddenRepresentationDataModule(SyntheticDataModule):
                           consts=24 * d * d)
         self.tasks = list(range(T))
         self._consts: dict[str, dict[str, torch.Tensor]] = {}
+        self._task_tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     # ------------------------------------------------------------------------------------------
     # what the module chooses
@@ -119,6 +120,7 @@ class HiddenRepresentationDataModule(SyntheticDataModule):
         if not tasks or tasks[0] < 0 or tasks[-1] >= self.T:
             raise ConfigError("tasks", f"task indices in [0, T) = [0, {self.T})", tasks)
         self.tasks = tasks
+        self._task_tables = {}
 
     # ------------------------------------------------------------------------------------------
     # global quantities
@@ -177,10 +179,13 @@ class HiddenRepresentationDataModule(SyntheticDataModule):
         return z
 
     def _tasks(self, index: torch.Tensor, split: str) -> torch.Tensor:
-        weights = torch.tensor([self.task_weights[t] for t in self.tasks], dtype=torch.float64)
-        edges = torch.cumsum(weights / weights.sum(), 0)[:-1].to(index.device)
+        if index.device not in self._task_tables:  # the mixture's bin edges and task ids, once per device
+            weights = torch.tensor([self.task_weights[t] for t in self.tasks], dtype=torch.float64)
+            self._task_tables[index.device] = (torch.cumsum(weights / weights.sum(), 0)[:-1].to(index.device),
+                                               torch.tensor(self.tasks, device=index.device))
+        edges, tasks = self._task_tables[index.device]
         draw = rng.uniform(self.seed, self.stream(split, _Q_TASK), index, (), torch.float64)
-        return torch.tensor(self.tasks, device=index.device)[torch.bucketize(draw, edges, right=True)]
+        return tasks[torch.bucketize(draw, edges, right=True)]
 
     def sample(self, index: torch.Tensor, split: str) -> dict[str, torch.Tensor]:
         """Training: pretraining pairs ``x, x_pos, task`` from the mixture; validation / test: labelled

@@ -8,7 +8,8 @@ so it runs anywhere torch does. Quality is ample for simulation; it is not a cry
 Speed (one CPU thread, 64 x 4096 values): ``normal`` 0.94 ms, ``uniform`` 0.51 ms; the int64 /
 float64 / one-output Box-Muller version it replaced took 5.7 ms and 1.4 ms. ``uniform`` and everything
 built on it return the same values as that version; ``normal`` does not (it now keeps both Box-Muller
-outputs).
+outputs). Radii and angles are drawn as two contiguous blocks of words (the same words): with few values per
+index, 5 for 2048 indices, ``normal`` takes 0.31 ms against 0.64 ms when it worked on the interleaved halves.
 
 Example:
     >>> idx = torch.arange(4)
@@ -44,24 +45,35 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
     return x.bitwise_xor_((x >> 16).bitwise_and_(0xFFFF))
 
 
+def _mix_int(x: int) -> int:
+    """:func:`_mix64` of one Python integer (the per-(seed, stream) base: no tensor ops for one number)."""
+    x &= _MASK32
+    x = ((x ^ (x >> 16)) * 0x7FEB352D) & _MASK32
+    x = ((x ^ (x >> 15)) * 0x846CA68B) & _MASK32
+    return x ^ (x >> 16)
+
+
 def _key(seed: int, stream: int, index: torch.Tensor) -> torch.Tensor:
     """One 32-bit key per index, as int32."""
-    base = _mix64(torch.tensor((seed * 0x9E3779B1 + stream * 0x85EBCA77) & _MASK32, dtype=torch.int64))
+    base = _mix_int(seed * 0x9E3779B1 + stream * 0x85EBCA77)
     index = index.to(torch.int64)
     # Indices above 2**32 fold in their high word so long online streams never repeat.
-    key = _mix64(_mix64(base.to(index.device) ^ (index & _MASK32)) ^ (index >> 32))
+    key = _mix64(_mix64(torch.bitwise_and(index, _MASK32).bitwise_xor_(base)).bitwise_xor_(index >> 32))
     return (key - ((key >> 31) << 32)).to(torch.int32)
 
 
-def _bits(seed: int, stream: int, index: torch.Tensor, n: int) -> torch.Tensor:
-    """``n`` random 32-bit words per index, shape ``[*index.shape, n]`` (int32).
+def _bits(seed: int, stream: int, index: torch.Tensor, n, blocks: int = 1) -> torch.Tensor:
+    """``n`` random 32-bit words per index, shape ``[*index.shape, n]`` (int32); with ``blocks``, counters
+    ``0 .. blocks * n - 1`` laid out ``[blocks, *index.shape, n]`` (each block contiguous, same words).
 
     Two rounds, not one: with one, two samples whose keys differ in low bits only would see the same
     words at shifted counters (key ^ counter collides); adding the key after the first round and mixing
     again decorrelates them.
     """
     key = _key(seed, stream, index).unsqueeze(-1)
-    counter = torch.arange(n, device=index.device, dtype=torch.int32)
+    counter = torch.arange(blocks * n, device=index.device, dtype=torch.int32)
+    if blocks > 1:
+        counter = counter.view(blocks, *([1] * index.dim()), n)
     return _mix(_mix(key ^ counter).add_(key))
 
 
@@ -84,13 +96,13 @@ def normal(seed: int, stream: int, index: torch.Tensor, shape=(), dtype=torch.fl
     n = math.prod(shape)
     half = (n + 1) // 2
     work = torch.float64 if dtype == torch.float64 else torch.float32
-    u = _unit(_bits(seed, stream, index, 2 * half), work).view(*index.shape, 2, half)
-    radius = u[..., 0, :].neg_().log1p_().mul_(-2.0).sqrt_()  # log1p(-u) with u < 1: no log(0)
-    angle = u[..., 1, :].mul_(2.0 * math.pi)
-    out = torch.empty(*index.shape, 2, half, dtype=work, device=index.device)
-    torch.cos(angle, out=out[..., 0, :])
-    torch.sin(angle, out=out[..., 1, :])
-    out = out.mul_(radius.unsqueeze(-2)).view(*index.shape, 2 * half)[..., :n]
+    # words 0 .. half-1 of each index give radii, half .. 2 half-1 angles: computed as two contiguous blocks
+    # (elementwise ops over a few values per index run many times faster on whole blocks)
+    u = _unit(_bits(seed, stream, index, half, blocks=2), work)
+    radius = u[0].neg_().log1p_().mul_(-2.0).sqrt_()  # log1p(-u) with u < 1: no log(0)
+    angle = u[1].mul_(2.0 * math.pi)
+    out = torch.stack((torch.cos(angle).mul_(radius), angle.sin_().mul_(radius)), dim=-2)
+    out = out.view(*index.shape, 2 * half)[..., :n]
     return out.reshape(*index.shape, *shape).to(dtype)
 
 

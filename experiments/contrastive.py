@@ -94,8 +94,9 @@ def size_rule(d: int, d1: int | None = None, width_mult: float = 4.0) -> dict:
             "tau": math.log(d), "steps": int(round(1000 * scale(d) / scale(32)))}
 
 
-def run(name: str, size: dict, seed: int, folder: str = "") -> Run:
-    """The fit of ``configs/contrastive/<name>.yaml`` at ``size`` (logs in ``<out>/<folder><name>_seed<seed>``)."""
+def run(name: str, size: dict, seed: int | None, folder: str = "") -> Run:
+    """The fit of ``configs/contrastive/<name>.yaml`` at ``size`` (logs in ``<out>/<folder><name>``; no seed: the
+    run :meth:`~featlearn.experiments.study.Study.fit_seeds` fits at every seed, logs in ``.../seed_<s>``)."""
     lam = size["d"] ** LAMBDA_EXPONENT.get(name, -1.75)
     overrides = {"trainer.max_steps": size["steps"], "data.init_args.d": size["d"], "data.init_args.d1": size["d1"],
                  "data.init_args.batch_size": size["K"], "data.init_args.num_negatives": size["N"],
@@ -103,17 +104,18 @@ def run(name: str, size: dict, seed: int, folder: str = "") -> Run:
                  "model.init_args.weight_decay": lam, "model.init_args.temperature": size["tau"]}
     if size.get("bias_reset_step") is not None:
         overrides["model.init_args.bias_reset_step"] = size["bias_reset_step"]
-    return Run(f"contrastive/{name}.yaml", f"{folder}{name}_seed{seed}", overrides, seed=seed)
+    return Run(f"contrastive/{name}.yaml", f"{folder}{name}", overrides, seed=seed)
 
 
-def collector(correlation: bool = False):
+def collector(correlation: int | None = None):
     """A fit's result: the model tested (probes fitted on the val split, scored on the test split), its summary,
-    the normalized final loss and, with ``correlation``, its neuron x atom correlations (rows sorted by atom)."""
+    the normalized final loss and, for the seed ``correlation``, its neuron x atom correlations (rows sorted by
+    atom)."""
     t0 = time.time()
 
-    def collect(cli) -> dict:
-        trainer, model, dm = cli.trainer, cli.model, cli.datamodule
-        trainer.test(model, datamodule=dm, verbose=False)
+    def collect(fitted) -> dict:
+        model, dm = fitted.model, fitted.datamodule
+        fitted.test()
         summary = model.summary()
         # the final loss on fresh batches, normalized by its value at uniform logits (1 = nothing learned)
         with torch.no_grad():
@@ -126,7 +128,7 @@ def collector(correlation: bool = False):
                        raw_nmse_population=dm.raw_probe_nmse(), **{"lambda": float(model.lam)})
         # NaN marks "never happened" (T1, T2): stored as null so the tables print n/a
         summary = {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in summary.items()}
-        if correlation:
+        if fitted.seed == correlation:
             summary["correlation"] = model.heatmaps()["correlation"].cpu().tolist()
         return summary
     return collect
@@ -146,8 +148,8 @@ def run_size(study: Study, names: list[str], size: dict, seeds: list[int], folde
     """All settings x seeds at one size; writes ``<folder>results.json`` / ``.md`` and the figures."""
     t0 = time.time()
     (study.out / folder).mkdir(parents=True, exist_ok=True)
-    runs = {name: {seed: study.fit(run(name, size, seed, folder), collector((name, seed) == (names[0], seeds[0])))
-                   for seed in seeds} for name in names}
+    runs = {name: study.fit_seeds(run(name, size, None, folder), seeds, collector(seeds[0] if name == names[0] else None))
+            for name in names}
     first = runs[names[0]][seeds[0]]
     runs[names[0]][seeds[0]] = {k: v for k, v in first.items() if k != "correlation"}
     result = {"size": size, "seeds": seeds, "runs": runs, "total_wall_s": time.time() - t0}

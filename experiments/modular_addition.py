@@ -63,8 +63,8 @@ def neurons(model: FourierMLP) -> dict:
             "coverage": frequency_coverage(s["frequency"][s["shared"] & s["live"]], model.p).tolist()}
 
 
-def collect(cli) -> dict:
-    return {**final_metrics(cli), **neurons(cli.model)}
+def collect(fitted) -> dict:
+    return {**final_metrics(fitted), **neurons(fitted.model)}
 
 
 def at_init(k: int, p: int, seed: int, width: int | None) -> list[float]:

@@ -63,10 +63,10 @@ def grokking_runs(study, seeds: list[int], steps: int = STEPS) -> dict:
         for k, p in SIZES:
             curves = ValidationCurves()
 
-            def collect(cli, curves=curves):
+            def collect(fitted, curves=curves):
                 c = curves.curves
                 train, test = first_step(c["step"], c["train_acc"]), first_step(c["step"], c["test_acc"])
-                return {**final_metrics(cli), "curves": c, "train_99": train, "test_99": test,
+                return {**final_metrics(fitted), "curves": c, "train_99": train, "test_99": test,
                         "gap": None if train is None or test is None else test - train}
             run = Run("modular_addition/mlp.yaml", f"grokking/k{k}_p{p}/seed{seed}",
                       {**GROKKING, "data.init_args.k": k, "data.init_args.p": p, "trainer.max_steps": steps,

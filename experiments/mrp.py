@@ -38,7 +38,8 @@ import torch
 
 from featlearn.experiments.common import (CONFIGS, experiment_parser, markdown_table, mean_range,
                                          parse_experiment_args, quiet_lightning, scalars)
-from featlearn.experiments.study import Run, Study, grid, load_settings
+from featlearn.experiments.points import grid
+from featlearn.experiments.study import Run, Study, load_settings
 from featlearn.metrics.figures import bars_figure, curves_figure
 
 
@@ -113,23 +114,23 @@ def _encoder_row(metrics: dict) -> dict:
                 str(int(metrics[f"kernels/{kind}"])) for kind in ("pure", "sameclass", "crossclass"))}
 
 
-def _classifier_row(cli, start: float) -> dict:
+def _classifier_row(fitted, start: float) -> dict:
     """A fine-tuned or supervised classifier's row: capture columns, val/test accuracy, steps, seconds."""
-    val = scalars(cli.trainer.validate(cli.model, cli.datamodule, verbose=False)[0])
-    test = scalars(cli.trainer.test(cli.model, cli.datamodule, verbose=False)[0])
-    return {**_encoder_row(scalars(cli.model.final_metrics())),
+    val = scalars(fitted.trainer.validate(fitted.model, fitted.datamodule, verbose=False)[0])
+    test = scalars(fitted.test())
+    return {**_encoder_row(scalars(fitted.model.final_metrics())),
             "test acc multi-view": test["test/acc/multi"], "test acc single-view": test["test/acc/single"],
             "val balanced acc": round((val["val/acc/multi"] + val["val/acc/single"]) / 2, 4),
-            "steps": cli.trainer.global_step, "seconds": round(time.time() - start, 1)}
+            "steps": fitted.steps, "seconds": round(time.time() - start, 1)}
 
 
-def _pretrain_row(cli, start: float) -> dict:
+def _pretrain_row(fitted, start: float) -> dict:
     """The pretraining row, and (``_checkpoint``, ``_seconds``) what its fine-tuning needs."""
-    metrics = scalars(cli.model.final_metrics())
-    return {**_encoder_row(metrics), "steps": cli.trainer.global_step,
+    metrics = scalars(fitted.model.final_metrics())
+    return {**_encoder_row(metrics), "steps": fitted.steps,
             "all captured by step": int(metrics["first_capture/max"]) if metrics["frac_captured"] == 1 else None,
-            "first capture steps": cli.model.first_capture_step.tolist(),
-            "_checkpoint": str(Path(cli.trainer.checkpoint_callback.last_model_path).resolve()),  # final state
+            "first capture steps": fitted.model.first_capture_step.tolist(),
+            "_checkpoint": str(Path(fitted.checkpoint).resolve()),  # final state
             "_seconds": time.time() - start}
 
 
@@ -138,14 +139,14 @@ def mrp(study: Study, size: Size, mu: float, seed: int, q: int, sigma0: float, l
     start, lrs, name = time.time(), step_sizes(size, lr_scale), f"k{size.k}_mu{mu:g}/seed{seed}/%s_q{q}_lr{lr_scale:g}"
     pre = study.fit(Run("mrp/teacher_student.yaml", name % "pretrain", {
         **_settings(size, mu, q=q, sigma0=sigma0, lr=lrs["pretrain"]), "trainer.max_steps": 3000 + 30 * size.k},
-        seed=seed), lambda cli: _pretrain_row(cli, start))
+        seed=seed), lambda fitted: _pretrain_row(fitted, start))
     if pre.get("diverged"):
         return {"pretrain": pre, "finetune": {"diverged": True, "error": "pretraining diverged"}}
     pretrain = {k: v for k, v in pre.items() if not k.startswith("_")}
     start = time.time() - pre["_seconds"]
     finetune = study.fit(Run("mrp/finetune.yaml", name % "finetune", _settings(
         size, mu, q=q, pretrained=pre["_checkpoint"], lr=lrs["finetune"], lr_head=lrs["head"]), seed=seed),
-        lambda cli: _classifier_row(cli, start))
+        lambda fitted: _classifier_row(fitted, start))
     return {"pretrain": pretrain, "finetune": finetune}
 
 
@@ -154,7 +155,7 @@ def supervised(study: Study, size: Size, mu: float, seed: int, q: int, sigma0: f
     start = time.time()
     return study.fit(Run("mrp/supervised.yaml", f"k{size.k}_mu{mu:g}/seed{seed}/supervised_q{q}_lr{lr_scale:g}",
                          _settings(size, mu, q=q, sigma0=sigma0, lr=step_sizes(size, lr_scale)["supervised"]),
-                         seed=seed), lambda cli: _classifier_row(cli, start))
+                         seed=seed), lambda fitted: _classifier_row(fitted, start))
 
 
 def shared_point() -> dict:  # the settings every method runs at before (and beside) the grid

@@ -57,19 +57,19 @@ def pretrain_run(size: mrp.Size, seed: int, horizon: int, name: str) -> Run:
         "trainer.log_every_n_steps": 100, "heatmap.every_n_steps": 10 ** 6}, seed=seed)
 
 
-def capture_row(cli, start: float) -> dict:
+def capture_row(fitted, start: float) -> dict:
     """What decides capture: each feature's first-capture step (-1: never), the count, the final step."""
-    first = cli.model.first_capture_step.tolist()
+    first = fitted.model.first_capture_step.tolist()
     captured = sum(s >= 0 for s in first)
     return {"features": len(first), "captured": captured, "all captured": captured == len(first),
-            "frac captured at end": round(float(cli.model.final_metrics()["frac_captured"]), 4),
-            "first capture steps": first, "steps": int(cli.trainer.global_step),
+            "frac captured at end": round(float(fitted.model.final_metrics()["frac_captured"]), 4),
+            "first capture steps": first, "steps": fitted.steps,
             "seconds": round(time.time() - start, 1)}
 
 
 def fit_one(study: Study, size: mrp.Size, seed: int, horizon: int, name: str) -> dict:
     start = time.time()
-    return study.fit(pretrain_run(size, seed, horizon, name), lambda cli: capture_row(cli, start))
+    return study.fit(pretrain_run(size, seed, horizon, name), lambda fitted: capture_row(fitted, start))
 
 
 def summarise(rows: list[dict]) -> dict:

@@ -6,9 +6,10 @@
 * A :class:`Study` is an experiment's runs: its output folder, progress counted in fits, resumable results
   and divergence handling. Each finished fit's result is kept in ``<out>/study.json``, so the same command
   run again resumes (finished fits are skipped; a fit cut short starts over).
-* Points and derived values: :func:`grid` and :func:`zipped` make points from axes; a :class:`Rule` computes
-  a per-point value from a swept one (the sweep files' ``derived`` rules). Experiments with a size rule in
-  code apply it to their points before making runs.
+* Several seeds of one run train together in one Lightning fit (:meth:`Study.fit_seeds`, ``lightning fit
+  --seeds``: :mod:`featlearn.lightning_modules.seeds`); each seed's result is kept as a fit of its own.
+* What a collect reads of a finished fit, or of one seed of a stacked one, is a :class:`Fitted`.
+* Points and derived values (grids, zipped axes, rules) are in :mod:`featlearn.experiments.points`.
 * Typed settings: :func:`load_settings` reads an ``experiment.yaml`` (or a sweep file) into a dataclass with
   jsonargparse, refusing unknown fields and wrong types, naming the field.
 
@@ -30,17 +31,17 @@ from __future__ import annotations
 import argparse
 import fcntl
 import functools
-import itertools
 import json
-import math
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Literal, Mapping
+from typing import Any, Callable, Mapping
 
-from featlearn.errors import ConfigError, DivergenceError
+from featlearn.errors import DivergenceError
 from featlearn.experiments.common import CONFIGS, FitProgress, build, resolved_config, scalars, write_results
 from featlearn.experiments.settings import load_settings
+from featlearn.lightning_modules.seed_guard import STEP
+from featlearn.metrics.figures import run_folder
 
 SEED_KEYS = ("data.init_args.seed", "model.init_args.seed")
 LOCK = "study.lock"  # held by the process writing the folder
@@ -74,6 +75,8 @@ class Run:
     and the model's where its class takes one). Logs go to ``<study out>/<name>``.
 
     A key without a dot replaces a whole group first (``{"data": "configs/two_layer/data_interval.yaml"}``).
+    ``{seed}`` in a text value is the run's seed (a per-seed checkpoint to start from, say), as under
+    ``lightning fit --seeds``.
     """
     config: str
     name: str
@@ -91,6 +94,7 @@ class Run:
             if keys is None:
                 keys = _seed_keys(self.config, tuple(a for k, v in groups.items() for a in (f"--{k}", text(v))))
             seeded = {"seed_everything": self.seed, **{k: self.seed for k in keys}}
+            rest = {k: v.replace("{seed}", str(self.seed)) if isinstance(v, str) else v for k, v in rest.items()}
         return {**groups, **seeded, **rest}
 
     def argv(self) -> list[str]:
@@ -98,7 +102,7 @@ class Run:
 
     def resolved(self) -> dict:
         """The config with this run's settings as the CLI composes and type-checks them; a value it refuses
-        raises :class:`ConfigError` with the CLI's message."""
+        raises :class:`~featlearn.errors.ConfigError` with the CLI's message."""
         return resolved_config(self.config, *self.argv())
 
     def spec(self) -> dict:
@@ -106,10 +110,36 @@ class Run:
         return {"config": self.config, "settings": {k: text(v) for k, v in self.settings().items()}}
 
 
-def final_metrics(cli) -> dict[str, float]:
+@dataclass
+class Fitted:
+    """What a collect reads of one finished fit, or of one seed of several fitted together: the method (``model``,
+    that seed's own module), its ``datamodule``, the ``trainer`` that ran it, its final state's ``checkpoint``
+    (a ``last.ckpt`` that ``lightning fit --ckpt_path`` resumes and ``reference`` settings start from), the
+    optimisation ``steps`` it took, its ``seed`` (the run's) and :meth:`test`."""
+    model: Any
+    datamodule: Any
+    trainer: Any
+    checkpoint: str | None
+    steps: int
+    seed: int | None
+    tester: Callable[[], dict] = field(repr=False)
+
+    def test(self) -> dict[str, float]:
+        """Run the test loop (the method's ``test_step``) and return what it logged, as ``trainer.test`` does."""
+        return self.tester()
+
+    @staticmethod
+    def of_cli(cli, seed: int | None) -> "Fitted":
+        trainer = cli.trainer
+        saved = trainer.checkpoint_callback.last_model_path if trainer.checkpoint_callback is not None else ""
+        return Fitted(cli.model, cli.datamodule, trainer, saved or None, int(trainer.global_step), seed,
+                      lambda: trainer.test(cli.model, cli.datamodule, verbose=False)[0])
+
+
+def final_metrics(fitted: Fitted) -> dict[str, float]:
     """The default result of a fit: the module's ``final_metrics()`` scalars (rounded), and its step count."""
-    metrics = getattr(cli.model, "final_metrics", dict)()
-    return {**scalars(metrics), "steps": int(cli.trainer.global_step)}
+    metrics = getattr(fitted.model, "final_metrics", dict)()
+    return {**scalars(metrics), "steps": fitted.steps}
 
 
 class Study:
@@ -182,10 +212,11 @@ class Study:
     def fit(self, run: Run, collect: Callable[[Any], dict] | None = final_metrics, callbacks=(),
             collect_diverged: bool = False) -> dict:
         """Fit ``run`` (or take its result from ``study.json`` when a previous invocation finished it) and
-        return ``collect(cli)`` (JSON-able; keep there whatever later steps need, such as a checkpoint path).
+        return ``collect(fitted)`` of its :class:`Fitted` (JSON-able; keep there whatever later steps need, such as
+        a checkpoint path).
         ``callbacks`` are added to the run's trainer (a clock the collect then reads, say). A fit the
         divergence guard stops returns ``{"diverged": True, "error": <its first line>}``, merged with
-        ``collect(cli)`` when ``collect_diverged``."""
+        ``collect(fitted)`` when ``collect_diverged``."""
         def fit_now() -> dict:
             shutil.rmtree(self.out / run.name, ignore_errors=True)  # a fit cut short earlier starts over
             cli = build(run.config, self.out, run.name, *run.argv())
@@ -195,9 +226,53 @@ class Study:
             except DivergenceError as error:
                 first = str(error).splitlines()[0]
                 print(f"{run.name}: {first}")
-                return {**(collect(cli) if collect_diverged and collect else {}), "diverged": True, "error": first}
-            return collect(cli) if collect is not None else {}
+                kept = collect(Fitted.of_cli(cli, run.seed)) if collect_diverged and collect else {}
+                return {**kept, "diverged": True, "error": first}
+            return collect(Fitted.of_cli(cli, run.seed)) if collect is not None else {}
         return self.compute(run.name, run.spec(), fit_now, counted_by_job=True)  # the trainer's FitProgress counts it
+
+    def fit_seeds(self, run: Run, seeds: list[int], collect: Callable[[Fitted], dict] = final_metrics) -> dict[int, dict]:
+        """``run`` at each of ``seeds``, trained together in one Lightning fit (``lightning fit --seeds``): seed s is
+        the fit ``Run(run.config, f"{run.name}/seed_{s}", run.overrides, seed=s)``, kept in ``study.json`` under
+        that name, so a resumed study fits only the seeds it lacks. Returns seed -> ``collect(Fitted)``; a seed
+        that diverged gets ``{"diverged": True, "error": <why>}`` (the others go on). Logs and each seed's
+        ``last.ckpt`` are in ``<out>/<run.name>/seed_<s>``."""
+        if run.seed is not None:
+            raise ValueError(f"fit_seeds takes a run without a seed (the seeds are its own argument), got {run.seed}")
+        runs = {s: Run(run.config, f"{run.name}/seed_{s}", run.overrides, seed=s, seed_keys=run.seed_keys)
+                for s in seeds}
+        todo = [s for s in seeds if self._kept(runs[s]) is None]
+        if todo:
+            group = self.out / run.name
+            for entry in list(group.iterdir()) if group.is_dir() else []:  # a stack cut short: its own files
+                if not entry.name.startswith("seed_") or int(entry.name.removeprefix("seed_")) in todo:
+                    shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+            cli = build(run.config, self.out, run.name, *run.argv(), "--seeds", json.dumps(todo))
+            try:
+                cli.trainer.fit(cli.model, cli.datamodule)
+                every = None
+            except DivergenceError as error:
+                every = str(error).splitlines()[0]
+            stack, tested = cli.model, {}
+            for row, seed in enumerate(todo):
+                why = stack.guard.stopped.get(row, "")
+                if why.startswith("diverged") or (every is not None and not why):
+                    fields = " or ".join(f"model.init_args.{f}" for f in stack.members[row].step_size_fields)
+                    result = {"diverged": True, "error": f"seed {seed} {why or every}; lower {fields} (its state "
+                                                         f"before the damage: seed_{seed}/before_divergence.ckpt)"}
+                    print(f"{runs[seed].name}: {result['error']}")
+                else:
+                    result = collect(_seed_fitted(cli, row, tested))
+                self.state["runs"][runs[seed].name] = {"run": runs[seed].spec(), "result": result}
+                self.save()
+        if self.progress is not None:  # the trainer's FitProgress counted the stack as one fit
+            self.progress.fits.update(len(seeds) - (1 if todo else 0))
+        return {s: self.state["runs"][runs[s].name]["result"] for s in seeds}
+
+    def _kept(self, run: Run) -> dict | None:
+        """The result ``study.json`` keeps for ``run``, or None (never fitted, or fitted with other settings)."""
+        done = self.state["runs"].get(run.name)
+        return done["result"] if done is not None and done["run"] == run.spec() else None
 
     def compute(self, name: str, spec: dict, job: Callable[[], dict], fits: int = 1,
                 counted_by_job: bool = False) -> dict:
@@ -224,81 +299,21 @@ class Study:
         write_results(self.out, stem, results, table, figures)
 
 
-# ------------------------------------------------------------------------------------------------
-# points and derived values
-# ------------------------------------------------------------------------------------------------
-def grid(**axes) -> list[dict]:
-    """Every combination of the axes' values, the last axis fastest.
+def _seed_fitted(cli, row: int, tested: dict) -> Fitted:
+    """Seed row ``row`` of a stacked fit; ``tested`` keeps one test of the whole stack for every seed's ``test()``."""
+    stack, data, trainer = cli.model, cli.datamodule, cli.trainer
+    held = stack.guard.snapshots[row] if row in stack.guard.stopped else None  # a seed its method stopped early
+    steps = int(held[STEP]) if held is not None else int(trainer.global_step)
 
-    Example:
-        >>> grid(q=[3], lr_scale=[0.5, 1])
-        [{'q': 3, 'lr_scale': 0.5}, {'q': 3, 'lr_scale': 1}]
-    """
-    return [dict(zip(axes, combo)) for combo in itertools.product(*axes.values())]
+    def test() -> dict:
+        if "rows" not in tested:
+            with stack.logs.fresh() as logged:
+                trainer.test(stack, data, verbose=False)
+            tested["rows"] = logged
+        return dict(tested["rows"][row])
 
-
-def zipped(**axes) -> list[dict]:
-    """The i-th values of every axis together (the axes must have one length).
-
-    Example:
-        >>> zipped(d=[32, 64], d1=[256, 512])
-        [{'d': 32, 'd1': 256}, {'d': 64, 'd1': 512}]
-    """
-    lengths = {k: len(v) for k, v in axes.items()}
-    if len(set(lengths.values())) > 1:
-        raise ConfigError("sweep", "lists of one length (zipped points)", lengths)
-    return [dict(zip(axes, combo)) for combo in zip(*axes.values())]
+    checkpoint = Path(run_folder(trainer)) / f"seed_{stack.seeds[row]}" / "last.ckpt"
+    return Fitted(stack.members[row], data.members[row], trainer, str(checkpoint), steps, stack.seeds[row], test)
 
 
-@dataclass(frozen=True)
-class Rule:
-    """A per-point value from a swept value ``x``: ``times * x**power`` (or ``times * ln x`` with ``log``),
-    clamped to ``[at_least, at_most]`` and rounded to an integer (``ceil``, ``floor``, ``nearest``); or
-    ``table[x]``.
-
-    Example:
-        >>> Rule(of="k", times=4, at_least=256, round="ceil").apply(100)
-        400
-        >>> Rule(of="k", log=True, times=2.5, at_least=4, round="ceil").apply(16)
-        7
-        >>> Rule(of="k", table={16: 300, 32: 100}).apply(32)
-        100
-    """
-    of: str
-    times: float = 1.0
-    power: float = 1.0
-    log: bool = False
-    at_least: float | None = None
-    at_most: float | None = None
-    round: Literal["ceil", "floor", "nearest"] | None = None
-    table: dict[int, Any] | None = None
-
-    def apply(self, x):
-        if self.table is not None:
-            return self.table[x]
-        value = self.times * (math.log(x) if self.log else x ** self.power)
-        if self.at_least is not None:
-            value = max(value, self.at_least)
-        if self.at_most is not None:
-            value = min(value, self.at_most)
-        if self.round is not None:
-            value = int({"ceil": math.ceil, "floor": math.floor, "nearest": round}[self.round](value))
-        return value
-
-    def text(self, name: str) -> str:
-        """The rule as a formula, e.g. ``d = max(256, ceil(4 k))``."""
-        if self.table is not None:
-            return f"{name} = table of {self.of}: " + ", ".join(f"{k}: {v}" for k, v in self.table.items())
-        x = self.of
-        expr = f"ln {x}" if self.log else (x if self.power == 1 else f"{x}^{self.power:g}")
-        expr = expr if self.times == 1 else f"{self.times:g} {expr}"
-        if self.round is not None:
-            expr = f"{self.round}({expr})"
-        if self.at_least is not None:
-            expr = f"max({self.at_least:g}, {expr})"
-        if self.at_most is not None:
-            expr = f"min({self.at_most:g}, {expr})"
-        return f"{name} = {expr}"
-
-
-__all__ = ["Run", "Study", "Rule", "grid", "zipped", "load_settings", "final_metrics", "text", "CONFIGS"]
+__all__ = ["Run", "Study", "Fitted", "load_settings", "final_metrics", "text", "CONFIGS"]

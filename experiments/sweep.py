@@ -109,14 +109,14 @@ def fit_point(study: Study, sweep: Sweep, point: dict, seed: int) -> dict:
     divergence guard stops keeps its row, with ``diverged: true`` and no metrics."""
     clock, start = StepClock(sweep.timed_after), time.perf_counter()
 
-    def row(cli) -> dict:
-        device = cli.trainer.strategy.root_device
-        final = {} if clock.stopped else cli.model.final_metrics()
+    def row(fitted) -> dict:
+        device = fitted.trainer.strategy.root_device
+        final = {} if clock.stopped else fitted.model.final_metrics()
         return {"point": sweep.name(point), "seed": seed, "values": point,
                 "settings": {**sweep.settings(point), **{k: seed for k in sweep.seed_keys}},
                 "device": _device_name(device), "threads": torch.get_num_threads(), "diverged": False,
                 "metrics": {m: _metric_value(final[m]) if m in final else None for m in sweep.metrics},
-                "steps": int(cli.trainer.global_step),
+                "steps": fitted.steps,
                 "time_per_step_ms": round(1e3 * statistics.median(clock.seconds), 4) if clock.seconds else None,
                 "timed_steps": len(clock.seconds),
                 "peak_mib": None if clock.peak_bytes is None else round(clock.peak_bytes / 2 ** 20, 2),

@@ -17,7 +17,7 @@ per point::
     metrics: [frac_captured, first_capture/max]   # keys of the module's final_metrics() to tabulate
     cost_model: [data.init_args.k, model.init_args.m, data.init_args.d, data.init_args.P]  # FLOPs ~ product (key^2: squared)
 
-A rule is a :class:`~featlearn.experiments.study.Rule`: ``times * x**power`` (or ``times * ln x`` with
+A rule is a :class:`~featlearn.experiments.points.Rule`: ``times * x**power`` (or ``times * ln x`` with
 ``log: true``) of the swept value ``x`` named by ``of`` (the dotted key or its last part), clamped to
 ``[at_least, at_most]`` and rounded (``ceil``, ``floor``, ``nearest``: an integer); or ``table: {x: value}``
 covering every swept value. The whole file is checked before any run, naming the field: unknown fields and
@@ -38,7 +38,8 @@ import yaml
 
 from featlearn.errors import ConfigError
 from featlearn.experiments.common import CONFIGS
-from featlearn.experiments.study import Rule, Run, grid, load_settings, text, zipped
+from featlearn.experiments.points import Rule, grid, zipped
+from featlearn.experiments.study import Run, load_settings, text
 
 
 @dataclass(frozen=True)

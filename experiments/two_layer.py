@@ -188,13 +188,13 @@ def fit(study: Study, run: Run, stop: bool, neurons: bool = False) -> dict:
     return study.fit(run, functools.partial(collect, neurons=neurons, keep=keep[0] if keep else None), callbacks=keep)
 
 
-def collect(cli, neurons: bool = False, keep: KeepBestOnValidation | None = None) -> dict:
+def collect(fitted, neurons: bool = False, keep: KeepBestOnValidation | None = None) -> dict:
     """A fit's accuracies in % (train, val, test) and CosSim (None for a method without feature learning,
     the NTK: its features are the init's), whether its stage-3 step size matters, and with ``neurons`` the
     network's MDS picture (:meth:`~featlearn.lightning_modules.two_layer.TwoLayerBase.neuron_picture`). With
     ``keep`` the model is the one of its best validation score (restored when the fit ended), and ``stop`` is
     that global step."""
-    model, dm = cli.model, cli.datamodule
+    model, dm = fitted.model, fitted.datamodule
     acc = {split: model.accuracy(dm.full(split)["x"], dm.full(split)["y"]) for split in ("train", "val", "test")}
     final, own = model.final_metrics(), model.feature_learning
     res = {"train": 100 * acc["train"], "val": 100 * acc["val"], "test": 100 * acc["test"],

@@ -84,8 +84,9 @@ GROUPS = ("S", "P_target", "P_other", "U")
 SWEEP_KEYS = ("w", "predicted", "start", "other")  # kept for the m-sweep only (not in the c-table's JSON)
 
 
-def mode_run(mode: str, T: int, seed: int, args, reference: str | None = None) -> Run:
-    """``configs/universality/<mode>.yaml`` at ``T`` and ``seed`` (``cr_closed``: ``cr.yaml`` from the closed form)."""
+def mode_run(mode: str, T: int, seed: int | None, args, reference: str | None = None) -> Run:
+    """``configs/universality/<mode>.yaml`` at ``T`` and ``seed`` (``cr_closed``: ``cr.yaml`` from the closed form;
+    no seed: the run :meth:`~featlearn.experiments.study.Study.fit_seeds` fits at every seed)."""
     cr = mode.startswith("cr")
     overrides = {"data.init_args.T": T, "data.init_args.num_val": max(args.m),
                  "model.init_args.probe_repeats": args.repeats}
@@ -95,14 +96,14 @@ def mode_run(mode: str, T: int, seed: int, args, reference: str | None = None) -
         overrides["model.init_args.gamma"] = args.gamma
     if args.steps is not None:
         overrides["trainer.max_steps"] = max(1, args.steps // 3) if cr else args.steps
-    return Run(f"universality/{mode.removesuffix('_closed')}.yaml", f"{mode}_T{T}_s{seed}", overrides, seed=seed)
+    return Run(f"universality/{mode.removesuffix('_closed')}.yaml", f"{mode}_T{T}", overrides, seed=seed)
 
 
-def measure(cli, mode: str, sweep: bool, t0: float) -> dict:
+def measure(fitted, mode: str, sweep: bool, t0: float) -> dict:
     """A fitted run's column norms against the prediction, its contrastive loss on fresh pairs against the
     closed form, the private overlap and its checkpoint; with ``sweep``, also what the m-sweep needs (``W``, the
     predicted norms per task, cr's start and the other task)."""
-    model, dm = cli.model, cli.datamodule
+    model, dm = fitted.model, fitted.datamodule
     c, p = model.column_norms(), model.predicted()
     others = [t for t in range(dm.T) if t != model.target]
     split = lambda v: {"S": v["S"], "P_target": v[f"P{model.target}"], "U": v["U"],  # noqa: E731
@@ -115,26 +116,39 @@ def measure(cli, mode: str, sweep: bool, t0: float) -> dict:
     theory_loss = contrastive_loss_closed_form(p["S"], [p[f"P{t}"] for t in tasks], dm.s, dm.r, samples=100_000)
     overlap = private_overlap(model.w.detach(), dm.M, dm.groups, model.target)
     out = {"c": split(c), "c_theory": split(p), "loss": loss, "loss_theory": theory_loss, "overlap": overlap,
-           "ckpt": cli.trainer.checkpoint_callback.last_model_path, "wall_s": time.time() - t0}
+           "ckpt": fitted.checkpoint, "wall_s": time.time() - t0}
     if sweep:
         out.update(w=model.w.detach().cpu().tolist(), predicted=p, other=model.other,
                    start=model.start_norms[f"P{model.target}"] if mode == "cr" else None)
     return out
 
 
-def fit_modes(study: Study, T: int, seed: int, args) -> dict:
-    """The four runs at ``T`` and ``seed`` (cr from the universal run's ``last.ckpt``), measured."""
+def fit_modes(study: Study, T: int, args) -> dict[int, dict]:
+    """The four runs at ``T``, measured: seed -> mode -> result. Each mode's seeds train together in one fit; cr
+    starts from the same seed's universal ``last.ckpt``."""
     runs = {}
     for mode in RUNS:
-        reference = runs["universal"]["ckpt"] if mode == "cr" else None
+        reference = None
+        if mode == "cr":
+            reference = str(study.out / f"universal_T{T}" / "seed_{seed}" / "last.ckpt")
+            for seed, universal in runs["universal"].items():
+                assert universal["ckpt"] == reference.replace("{seed}", str(seed)), universal["ckpt"]
         collect = functools.partial(measure, mode=mode, sweep=T == args.sweep_T, t0=time.time())
-        runs[mode] = study.fit(mode_run(mode, T, seed, args, reference), collect)
-    return runs
+        runs[mode] = study.fit_seeds(mode_run(mode, T, None, args, reference), args.seed, collect)
+    return {seed: {mode: runs[mode][seed] for mode in RUNS} for seed in args.seed}
 
 
 def sweep_data(T: int, seed: int, args) -> HiddenRepresentationDataModule:
     """The universal run's data (the labelled and test samples are functions of its settings alone)."""
-    return HiddenRepresentationDataModule(**mode_run("universal", T, seed, args).resolved()["data"]["init_args"])
+    return HiddenRepresentationDataModule(**_universal_data(T, max(args.m), args.repeats, args.steps), seed=seed)
+
+
+@functools.lru_cache(maxsize=None)
+def _universal_data(T: int, m: int, repeats: int, steps: int | None) -> dict:
+    """The universal runs' data settings at ``T`` but the seed (the CLI resolves them in ~0.7 s: once per T)."""
+    options = argparse.Namespace(m=[m], repeats=repeats, steps=steps)
+    resolved = mode_run("universal", T, None, options).resolved()["data"]["init_args"]
+    return {k: v for k, v in resolved.items() if k != "seed"}
 
 
 def m_sweep(runs: dict, dm: HiddenRepresentationDataModule, args) -> dict:
@@ -249,9 +263,8 @@ def main(argv=None) -> dict:
     t0 = time.time()
     results, sweeps = {}, {}
     with Study(args, "T x seeds", fits=len(RUNS) * len(args.seed) * len(args.T)) as study:
-        for seed in args.seed:
-            for T in args.T:
-                runs = fit_modes(study, T, seed, args)
+        for T in args.T:
+            for seed, runs in fit_modes(study, T, args).items():
                 if T == args.sweep_T:
                     sweeps[seed] = m_sweep(runs, sweep_data(T, seed, args), args)
                 results.setdefault(seed, {})[T] = {mode: {k: v for k, v in r.items() if k not in SWEEP_KEYS}

@@ -182,14 +182,14 @@ class TheoryCurves(L.Callback):
         return {"query": query, "query_attention": attn[query].cpu().tolist(), "query_area": int(area[query]),
                 "area": area.cpu().tolist(), "mask": mask.cpu().tolist(), "vmax": float(module.sample_vmax)}
 
-    def collect(self, cli, method: str, run: Run) -> dict:
+    def collect(self, fitted, method: str, run: Run) -> dict:
         """The run's per-seed result: final metrics, measured init, curves and (``end``) the figures' maps."""
-        model, dm, c = cli.model, cli.datamodule, self.curves
+        model, dm, c = fitted.model, fitted.datamodule, self.curves
         half = next((i for i, a in enumerate(c["attn_own_local"]) if a >= ATTN_HALF), None)
         return {
             "seed": run.seed, "config": shlex.join(["lightning", "fit", "--config", f"configs/{run.config}",
                                                     *run.argv()]),
-            "steps": cli.trainer.global_step, "lr": float(model.lr), "K": dm.K, "d": dm.d, "P": dm.P,
+            "steps": fitted.steps, "lr": float(model.lr), "K": dm.K, "d": dm.d, "P": dm.P,
             "C_1": dm.C_1, "C_s": dm.C_s, "n_local": dm.n_local, "delta": dm.delta, "delta_eff": dm.delta_eff,
             "z_low": dm.z_low, "mask_ratio": float(model.gamma if method == "mae" else model.gamma0),
             **{k: float(v) for k, v in model.final_metrics().items()},
@@ -215,7 +215,7 @@ def fit(study: Study, point: Point, method: str, seed: int, args) -> dict:
     run = Run(config, f"{point.name}/seed{seed}/{method}",
               {**extra, **({} if steps is None else {"trainer.max_steps": steps})}, seed=seed)
     curves = TheoryCurves(args.every, args.eval_batch)
-    return study.fit(run, lambda cli: curves.collect(cli, method, run), callbacks=[curves])
+    return study.fit(run, lambda fitted: curves.collect(fitted, method, run), callbacks=[curves])
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -123,6 +123,11 @@ class FeatlearnCLI(LightningCLI):
         if "trainer.devices" in config:
             _check_devices(config["trainer.devices"])
         _results_not_placeholders(config.get("trainer.logger"))
+        seeds = config.get("seeds")
+        self._seed_texts = {key: value for key, value in config.items() if seeds and key.startswith(("model.", "data."))
+                            and isinstance(value, str) and "{seed}" in value}
+        for key, text in self._seed_texts.items():  # built first as the first seed's (the stack then replaces it)
+            config[key] = text.replace("{seed}", str(seeds[0]))
 
     def instantiate_classes(self) -> None:
         try:
@@ -142,14 +147,11 @@ class FeatlearnCLI(LightningCLI):
         """Build the parameters now, not in ``setup`` once fitting has started, so that a refusal that
         needs the data's sizes (a checkpoint of another size, a pretrained encoder of another width)
         comes before any work; ``attach`` builds once, so ``setup`` then finds the model built."""
-        if self.subcommand is None and self.config.get("seeds") is not None:
-            raise ConfigError("seeds", "given to `lightning fit` only (a CLI built without a subcommand, as the "
-                                       "experiments build theirs, fits one seed)", self.config.get("seeds"))
-        if self.subcommand is None or self.datamodule is None:
+        seeds = self._config().get("seeds")
+        if self.datamodule is None or (self.subcommand is None and seeds is None):  # the caller fits it: built in setup
             return
         self.datamodule.check_devices(self.trainer.world_size)
         self.model.attach(self.datamodule)
-        seeds = self.config[self.subcommand].get("seeds")
         if seeds is not None:
             self.model, self.datamodule = self._stack_seeds(seeds)
         if self._ckpt is not None:
@@ -157,16 +159,20 @@ class FeatlearnCLI(LightningCLI):
             self._ckpt = None
             check_fits("ckpt_path", path, ckpt, self.model)
 
+    def _config(self):
+        return self.config[self.subcommand] if self.subcommand else self.config
+
     def _stack_seeds(self, seeds: list[int]):
         """The config's method and data once per seed, each built as a run of that seed alone would be, as
         a :class:`~featlearn.lightning_modules.seeds.SeedStack` and its DataModule."""
         if not seeds or len(set(seeds)) != len(seeds) or not all(0 <= s < 2 ** 32 for s in seeds):
             raise ConfigError("seeds", "a non-empty list of distinct seeds in [0, 2^32)", seeds)
-        if self.subcommand != "fit":
+        if self.subcommand not in ("fit", None):  # None: built to be fitted by the caller (the experiments)
             raise ConfigError("seeds", f"given to `fit` only (for `{self.subcommand}`, give one seed's own "
                                        "checkpoint, <log_dir>/seed_<s>/last.ckpt)", seeds)
-        _check_seed_settings(self.trainer, self.config[self.subcommand])
-        parser, config = self._parser(self.subcommand), self.config[self.subcommand]
+        config = self._config()
+        _check_seed_settings(self.trainer, config)
+        parser = self._parser(self.subcommand) if self.subcommand else self.parser
         models, datas, dump = [], [], self.config_dump
         for seed in seeds:
             seeded = config.clone()
@@ -174,6 +180,8 @@ class FeatlearnCLI(LightningCLI):
             for key in ("data.init_args.seed", "model.init_args.seed"):
                 if key in seeded:
                     seeded[key] = seed
+            for key, text in self._seed_texts.items():  # "{seed}" in a method's or data's text: this seed's
+                seeded[key] = text.replace("{seed}", str(seed))
             # the hyperparameters a module saves are read from this dump (LightningCLI's instantiator)
             self.config_dump = yaml.safe_load(parser.dump(seeded, skip_link_targets=False, skip_none=False))
             seed_everything(seed, verbose=False)
@@ -182,6 +190,8 @@ class FeatlearnCLI(LightningCLI):
             models.append(built.model.attach(built.data))
             datas.append(built.data)
         self.config_dump = dump
+        for key, text in self._seed_texts.items():  # the run's saved config.yaml keeps the template
+            config[key] = text
         return SeedStack(models, seeds), SeedStackDataModule(datas, seeds)
 
 

@@ -157,10 +157,11 @@ class FeatureLearningModule(L.LightningModule):
         raise NotImplementedError
 
     def logged(self, name: str):
-        """The last value logged as ``name`` (this seed's, for one seed of several in one run), else None."""
+        """The last value logged as ``name`` (this seed's, for one seed of several in one run), else None (also
+        without a trainer)."""
         stack = self.seed_stack()
         if stack is None:
-            return self.trainer.callback_metrics.get(name)
+            return self._trainer.callback_metrics.get(name) if self._trainer is not None else None
         return stack.logs.last[self._seed_row].get(name)
 
     def finish_step(self, step: int) -> None:

@@ -12,8 +12,7 @@ only the anchor receives gradient; SGD with ``lr = eta`` and ``weight_decay = la
 Bias (Wen & Li 2021, Sec. 2.2 and App. D): ``bias_mode="schedule"`` (default) keeps ``b = 0`` until T1 (first step with
 ``min_i rho_i >= 1/2``; or a fixed ``bias_reset_step``, the same for every run), resets
 ``b_i = beta0 sqrt(2 log d / d) ||w_i||`` and then grows it by ``max(c_b eta/d, ||w_i^{t+1}||/||w_i^t|| - 1)``
-per step, capped at ``kappa_b ||w_i||``;
-``"zero"`` keeps ``b = 0`` (linear network: the linear control); ``"learned"`` trains ``b`` by
+per step, capped at ``kappa_b ||w_i||``; ``"zero"`` keeps ``b = 0`` (linear network: the linear control); ``"learned"`` trains ``b`` by
 SGD (ablation of footnote 4; ``clamp_bias_nonneg`` optional). The bias update is part of
 each optimisation step (``finish_step``), so checkpoints never hold a half-finished step.
 
@@ -285,7 +284,8 @@ class ContrastiveModule(FeatureLearningModule):
         for tag, values in (("weights/sparse_frac", fm["sparse_frac"]),
                             ("weights/alpha_abs", fm["alpha"].abs() / fm["norm"].unsqueeze(1)),
                             ("features/N_i_size_hist", fm["N_size"].float())):
-            writer.add_histogram(tag, values.cpu(), self.global_step)
+            if torch.isfinite(values).all():  # a diverging run's NaNs have no histogram (its guard stops it)
+                writer.add_histogram(tag, values.cpu(), self.global_step)
 
     def theory_metrics(self) -> dict[str, float]:
         """The weight and feature quantities, the stages reached and the bias, moved to the host at once."""

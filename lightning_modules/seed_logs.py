@@ -11,6 +11,7 @@ to the seed's HPARAMS session.
 """
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import torch
@@ -84,6 +85,16 @@ class SeedLogs:
             for name, value in results.items():
                 writer.add_scalar(name, value, stack.global_step)
             write_hparams(writer, {**params, "seed": stack.seeds[row]}, results, stack.global_step)
+
+    @contextlib.contextmanager
+    def fresh(self):
+        """Within, :attr:`last` holds only what is logged meanwhile (the yielded per-seed dicts: a test's
+        values, as ``trainer.test`` returns them for one run); afterwards the earlier values are back beneath."""
+        kept, self.last = self.last, [{} for _ in self.last]
+        try:
+            yield self.last
+        finally:
+            self.last = [{**old, **new} for old, new in zip(kept, self.last)]
 
     def close(self) -> None:
         trainer = self._stack()._trainer

@@ -169,7 +169,12 @@ class SeedStack(L.LightningModule):
     def _batched_losses(self, batches: list[dict]) -> torch.Tensor:
         first = self.members[0]
         data = {k: torch.stack([b[k] for b in batches]) for k, v in batches[0].items() if torch.is_tensor(v)}
-        buffers = {n: torch.stack([m.get_buffer(n) for m in self.members]) for n, _ in first.named_buffers()}
+        members = [dict(m.named_buffers()) for m in self.members]
+        version = [(id(b), b._version) for bufs in members for b in bufs.values()]  # any write or swap: restack
+        if getattr(self, "_buffers_at", None) != version:  # most are ground truth, the same at every step
+            self._stacked_buffers = {n: torch.stack([bufs[n] for bufs in members]) for n in members[0]}
+            self._buffers_at = version
+        buffers = self._stacked_buffers
 
         def one(weights, bufs, sample):
             with _swapped(first, weights, bufs):

@@ -88,6 +88,21 @@ def test_step_seeds_in_one_run_are_checked_then_timed_per_seed_step(tmp_path):
     assert all(r.passed and r.error <= 1e-10 and len(r.seconds) == 2 for r in stacked)
 
 
+def test_lightning_fit_is_timed_from_its_own_logs(tmp_path, monkeypatch):
+    """``--fit``: the case's settings fitted by the command in its own process, a sample per logged interval."""
+    from featlearn.bench import user_fit
+    monkeypatch.setattr(user_fit, "INTERVALS", 3)  # 300 steps of the smoke size: a few seconds
+    status, results, _ = run(["step", "--size", "smoke", "--method", "universality", "--fit", "--repeats", "2",
+                              "--warmup", "1", "--device", "cpu", "--no-compile", "--threads", "1", "--out",
+                              str(tmp_path)])
+    fit = next(r for r in results if r.variant == "lightning fit")
+    assert status == 0 and fit.passed and fit.error <= 1e-10
+    # logged every 25 steps from step 50 of 300 (Lightning's steps 74, 99, ..., 299): 9 intervals
+    assert len(fit.seconds) == 9 and all(0 < s < 1 for s in fit.seconds)
+    with pytest.raises(RuntimeError, match="lightning fit of universality/universal.yaml failed"):
+        user_fit.fit_step_seconds("universality/universal.yaml", {"s": -1}, {}, 25)
+
+
 def test_check_refuses_a_variant_that_writes_nan():
     case = patch_case("smoke", torch.device("cpu"))
     case.variants = [harness.Variant("nan", lambda inp: tuple(torch.full_like(o, float("nan"))

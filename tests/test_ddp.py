@@ -93,6 +93,8 @@ CASES.update({
                             ["--data.k", "3", "--data.p", "7", "--model.heads", "2", "--model.hidden", "16",
                              "--model.head_dim", "4", "--model.mlp_hidden", "32", "--model.dropout", "0.0"], 16, 16,
                             torch.float32),
+    # dissertation ch. 8: fresh prompts per step, each rank its half of the global batch
+    "looped_transformer": ("looped_transformer/trained.yaml", ["--data.d", "3", "--data.n", "6"], 16, 16, torch.float32),
 })
 DEFAULT = ("contrastive", "contrastive_full_batch", "mrp_teacher_student", "mrp_supervised", "noncontrastive_sample",
            "noncontrastive_population", "vit_mae", "vit_cl", "two_layer", "universality")

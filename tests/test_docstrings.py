@@ -10,7 +10,8 @@ MODULES = ["featlearn.kernels.registry", "featlearn.datamodules.modular_addition
            "featlearn.lightning_modules.modular_base",
            "featlearn.kernels.modular_power_mlp",
            "featlearn.experiments.modular_addition", "featlearn.experiments.modular_addition_grokking",
-           "featlearn.experiments.looped_transformer",
+           "featlearn.experiments.looped_transformer", "featlearn.experiments.looped_transformer_trained",
+           "featlearn.datamodules.linear_prompts", "featlearn.lightning_modules.looped_transformer", "featlearn.bench.user_fit",
            "featlearn.experiments.common", "featlearn.experiments.mrp", "featlearn.datamodules.multiview",
            "featlearn.lightning_modules.mrp", "featlearn.lightning_modules.multiview_classifier",
            "featlearn.lightning_modules.multiview_encoder", "featlearn.errors",
@@ -31,7 +32,7 @@ MODULES = ["featlearn.kernels.registry", "featlearn.datamodules.modular_addition
            "featlearn.lightning_modules.contrastive_regularization", "featlearn.experiments.universality",
            "featlearn.experiments.sweep", "featlearn.experiments.vit", "featlearn.gpu.compile", "featlearn.gpu.cases",
            "featlearn.papers", "featlearn.bench.harness", "featlearn.quiet",
-           "featlearn.experiments.study", "featlearn.experiments.settings", "featlearn.experiments.sweep_file",
+           "featlearn.experiments.study", "featlearn.experiments.points", "featlearn.experiments.settings", "featlearn.experiments.sweep_file",
            "featlearn.experiments.vit_report", "featlearn.theory.universality_downstream",
            "featlearn.lightning_modules.seeds", "featlearn.datamodules.seeds"]
 

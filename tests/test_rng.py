@@ -76,6 +76,23 @@ def test_words_match_unsigned_32_bit_arithmetic():
             assert u[i, c].item() == (_python_word(7, 3, ix, c) >> 8) / 2**24
 
 
+@pytest.mark.parametrize("shape", [(1,), (5,), (2, 3)])
+def test_normal_is_box_muller_of_its_words(shape):
+    """Value c of an index: radius from word c mod h, angle from word h + c mod h (h = half the count, rounded
+    up), cosine for the first h values, sine after: checked against exact integer words, float64."""
+    index = [3, 2**31 + 7, 2**33 + 1]
+    z = rng.normal(5, 9, torch.tensor(index), shape, torch.float64).reshape(len(index), -1)
+    count = z.shape[1]
+    half = (count + 1) // 2
+    for i, ix in enumerate(index):
+        for c in range(count):
+            j = c % half
+            u_r, u_a = ((_python_word(5, 9, ix, w) >> 8) / 2 ** 24 for w in (j, half + j))
+            radius, angle = math.sqrt(-2 * math.log1p(-u_r)), 2 * math.pi * u_a
+            want = radius * (math.cos(angle) if c < half else math.sin(angle))
+            assert z[i, c].item() == pytest.approx(want, rel=1e-13, abs=1e-15)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_normal_keeps_both_box_muller_outputs_independent(dtype):
     index = torch.arange(4001)

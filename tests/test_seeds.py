@@ -150,5 +150,3 @@ def test_the_progress_bar_shows_the_mean_loss_of_the_seeds(tmp_path):
     bar = next(c for c in cli.trainer.callbacks if type(c).__name__ == "StepProgressBar")
     losses = [float(m.last_loss) for m in cli.model.members]
     assert bar._loss == pytest.approx(sum(losses) / 3, rel=1e-12) and len(set(losses)) == 3
-    with pytest.raises(ConfigError, match="seeds: must be given to `lightning fit` only"):  # the experiments' CLI
-        make_cli(["--config", "configs/noncontrastive/with_head_population.yaml", "--seeds", "[0, 1]"], run=False)

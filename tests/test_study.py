@@ -9,7 +9,8 @@ import yaml
 
 from featlearn.errors import ConfigError
 from featlearn.experiments import study as engine
-from featlearn.experiments.study import Rule, Run, Study, load_settings
+from featlearn.experiments.points import Rule
+from featlearn.experiments.study import Run, Study, load_settings
 from tiny_sizes import MRP
 
 TINY = dict(zip(MRP[::2], MRP[1::2]))  # the tiny MRP sizes as {"--data.init_args.k": "4", ...}

@@ -8,6 +8,7 @@ import pytest
 import yaml
 
 from featlearn.errors import ConfigError
+from featlearn.experiments import points
 from featlearn.experiments import study as study_module
 from featlearn.experiments import sweep as sweep_module
 from featlearn.experiments.sweep import Rule, growth_exponent, main, parse_sweep
@@ -153,7 +154,7 @@ def test_growth_exponent_recovers_a_known_slope():
 
 
 def test_rules():
-    assert Rule is study_module.Rule  # one Rule: the engine's
+    assert Rule is points.Rule  # one Rule: the experiments' points
     assert parse_sweep({**TINY, "derived": {"data.init_args.d": {"of": "k", "times": 8}}}).settings(
         {"data.init_args.k": 4})["data.init_args.d"] == 32  # an integer rule stays an integer (d1 = 8 d)
     assert Rule(of="k", times=4, at_least=256, round="ceil").apply(32) == 256

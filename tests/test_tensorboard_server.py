@@ -35,7 +35,7 @@ import pytest
 import torch
 import yaml
 
-from tiny_sizes import HIDDEN, MODADD, MRP, PARITY, PATCHES, SPARSE, TRANSFORMER, VIT, over
+from tiny_sizes import HIDDEN, LOOPED, MODADD, MRP, PARITY, PATCHES, SPARSE, TRANSFORMER, VIT, over
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
@@ -68,6 +68,8 @@ METHODS = {
     "modular_addition": ("modular_addition/mlp.yaml", MODADD, "train/loss", "lr", HEATMAP),
     "modular_transformer": ("modular_addition/transformer.yaml", TRANSFORMER, "train/loss", "lr",
                             HEATMAP + ("heads/dft",)),
+    "looped_transformer": ("looped_transformer/trained.yaml", LOOPED, "train/loss", "lr",
+                           HEATMAP + ("heatmap/Q", "heatmap/P")),
 }
 
 

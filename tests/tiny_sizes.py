@@ -17,3 +17,4 @@ PARITY = dict(dim=24, num_patterns=12, k=3, batch_size=16, num_train=64, num_val
 HIDDEN = over(dict(T=2, s=2, r=4, u=2, batch_size=32, num_test=16), dict(probe_repeats=1))
 MODADD = over(dict(k=3, p=5, batch_size=16), dict(width=12))
 TRANSFORMER = over(dict(k=2, p=7, batch_size=8), dict(heads=2, hidden=16, head_dim=4, mlp_hidden=32, dropout=0.0))
+LOOPED = over(dict(d=3, n=6, batch_size=16, num_val=32, num_test=32), dict(loops=3))

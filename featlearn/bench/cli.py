@@ -5,6 +5,7 @@ Usage:
     featlearn bench op --op soft_threshold --size medium --device cuda
     featlearn bench step                                 # every method's training step at its main job's size
     featlearn bench step --method mrp --repeats 50
+    featlearn bench step --fit                           # also `lightning fit` of each case, timed from its logs
     featlearn bench op --size gpu --device cuda --ceilings OUT/ceilings.csv     # featlearn gpu check part 2
 
 Writes ``<out>/<op|step>_<size>_<device>.{csv,md,png}`` (default ``benchmarks/results/bench``; the csv and md
@@ -71,6 +72,9 @@ def parser() -> argparse.ArgumentParser:
         if name == "step":
             p.add_argument("--seeds", nargs="+", type=_positive, default=[], metavar="S",
                            help="also time S seeds in one run (lightning fit --seeds) for each S, per seed-step")
+            p.add_argument("--fit", action="store_true",
+                           help="also time `lightning fit` of each case in its own process, from its logs "
+                                "(featlearn.bench.user_fit; CPU sizes)")
         p.add_argument("--ceilings", type=Path, default=None,
                        help="ceilings.csv of `featlearn gpu check`: rates as shares of the measured ceilings")
     plot = sub.add_parser("plot", help="the PNG of tables written elsewhere (a GPU's $OUT)",
@@ -109,7 +113,7 @@ def run(argv: list[str] | None = None, extra_cases: list | None = None) -> tuple
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     cases = (ops.cases(names, args.size, device) if args.what == "op" else
-             steps.cases(names, args.size, device, tuple(args.seeds))) + (extra_cases or [])
+             steps.cases(names, args.size, device, tuple(args.seeds), args.fit)) + (extra_cases or [])
     if args.no_compile:
         for case in cases:
             case.variants = [v for v in case.variants if harness.COMPILED not in v.name]

@@ -55,7 +55,7 @@ import lightning as L
 import torch
 
 from featlearn.bench.harness import COMPILED, EAGER, Case, Meter, Result, Variant
-from featlearn.bench import step_methods
+from featlearn.bench import step_methods, user_fit
 from featlearn.bench.step_methods import METHODS, Method, method
 from featlearn.callbacks import DivergenceGuard
 from featlearn.datamodules.multiview import MultiViewDataModule
@@ -69,6 +69,7 @@ from featlearn.lightning_modules.seeds import SeedStack
 __all__ = ["METHODS", "SIZES", "GPU_METHODS", "cases", "step_case"]
 FEATLEARN = "featlearn"
 FEATLEARN_COMPILED = "featlearn compiled"  # model.compile: true (the module's loss under torch.compile)
+FIT = "lightning fit"  # the step a user gets: the command in its own process (featlearn.bench.user_fit)
 SIZES = (*step_methods.SIZES, "gpu")
 GPU_METHODS = ("mrp", "contrastive")
 COMPILED_AT_GPU = ()
@@ -185,7 +186,7 @@ class _Clock(L.Callback):
         if not self.loops:  # the plain loops start from the module's initial weights and its first batch
             module, first = (pl_module, batch) if self.seeds == 1 else (pl_module.members[0], batch["seeds"][0])
             for name in self.results:
-                if not name.startswith(FEATLEARN):
+                if not name.startswith(FEATLEARN) and name != FIT:
                     self.loops[name] = PlainLoop(self.spec, self.spec.state(module), first, name == COMPILED)
         self.meter = Meter(self.device).__enter__()
 
@@ -230,6 +231,10 @@ def _timer(spec: Method):
             with _cold_compile():
                 _fit(model, dm, compiled, spec, device, max(warmup, 2) + rounds)
             passed[FEATLEARN_COMPILED].note = _repays(compiled.first_step_s, passed[FEATLEARN], passed[FEATLEARN_COMPILED])
+        if FIT in passed:  # between the in-process variants: a run of its own, a sample per logged interval
+            for seconds in user_fit.fit_step_seconds(user_fit.config_of(spec.name), spec.data_args, spec.model_args,
+                                                     spec.log_every, torch.get_num_threads()):
+                passed[FIT].record(seconds, None)
         for name in [n for n in passed if n.startswith(f"{FEATLEARN} x")]:  # S seeds in one run, after S = 1
             count = int(name.removeprefix(f"{FEATLEARN} x"))
             stack, data = build_stack(spec, seed, count, spec.dtype, device)
@@ -286,9 +291,10 @@ def _fit(model, dm, clock: _Clock, spec: Method, device: torch.device, steps: in
 
 
 def step_case(spec: Method, device: torch.device, compiled: bool = True, flops: float | None = None,
-              seeds: tuple[int, ...] = ()) -> Case:
-    """The case of one method: featlearn, the plain loops, and ``featlearn xS`` for each S of ``seeds`` (S seeds
-    in one run; its times are per seed-step, so its speed-ups compare it with S separate plain loops)."""
+              seeds: tuple[int, ...] = (), fit: bool = False) -> Case:
+    """The case of one method: featlearn, the plain loops, ``featlearn xS`` for each S of ``seeds`` (S seeds
+    in one run; its times are per seed-step, so its speed-ups compare it with S separate plain loops) and, with
+    ``fit``, ``lightning fit`` (its check is the featlearn step's: the same module)."""
     def variant(compiled: bool | None, count: int = 1, module_compiled: bool = False):
         def run(inputs):
             if compiled is None:
@@ -306,14 +312,16 @@ def step_case(spec: Method, device: torch.device, compiled: bool = True, flops: 
                  *([Variant(FEATLEARN_COMPILED, variant(None, module_compiled=True), precision)]
                    if compiled and spec.model.compiled_loss is not None else []),
                  *[Variant(f"{FEATLEARN} x{n}", variant(None, n), precision) for n in seeds if n > 1],
+                 *([Variant(FIT, variant(None), precision)] if fit else []),
                  Variant(EAGER, variant(False), precision),
                  *([Variant(COMPILED, variant(True), precision)] if compiled else [])],
                 lambda dtype, dev, seed: {"seed": seed}, reference, dtype=torch.float64, timer=_timer(spec),
                 flops=flops)
 
 
-def cases(methods: list[str], size: str, device: torch.device, seeds: tuple[int, ...] = ()) -> list[Case]:
+def cases(methods: list[str], size: str, device: torch.device, seeds: tuple[int, ...] = (),
+          fit: bool = False) -> list[Case]:
     if size == "gpu":
         return [step_case(spec, device, name in COMPILED_AT_GPU, flops, seeds)
                 for name in methods for spec, flops in [gpu_method(name)]]
-    return [step_case(spec, device, seeds=seeds) for name in methods for spec in method(name, size)]
+    return [step_case(spec, device, seeds=seeds, fit=fit) for name in methods for spec in method(name, size)]

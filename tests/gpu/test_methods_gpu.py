@@ -33,7 +33,7 @@ from featlearn.bench.steps import module_step
 from featlearn.cli import make_cli
 from featlearn.kernels import bn_cosine_loss
 
-from tiny_sizes import HIDDEN, MODADD, MRP, PARITY, PATCHES, SPARSE, TRANSFORMER, VIT, over
+from tiny_sizes import HIDDEN, LOOPED, MODADD, MRP, PARITY, PATCHES, SPARSE, TRANSFORMER, VIT, over
 
 pytestmark = pytest.mark.gpu
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -73,6 +73,7 @@ METHODS = {
     "contrastive_regularization": ("universality/cr.yaml", HIDDEN),
     "modular_addition": ("modular_addition/mlp.yaml", MODADD),  # the embedding gradient adds with atomics
     "modular_transformer": ("modular_addition/transformer.yaml", TRANSFORMER),  # SDPA's CUDA kernels
+    "looped_transformer": ("looped_transformer/trained.yaml", LOOPED),  # ch. 8: batched (d+1)^2 GEMMs, loops
 }
 # the 1-rank DDP run: at one rank the methods skip their own collectives (world size 1), so what it checks
 # is DDP itself on nccl around the fused ops: the initial broadcast of parameters and buffers and the
