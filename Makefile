@@ -24,7 +24,7 @@ else
 INSTALL_TORCH := $(PY) -m pip install -q torch==2.13.0+cpu || $(PY) -m pip install -q torch==2.13.0+cpu --index-url $(TORCH_CPU_INDEX)
 endif
 
-.PHONY: experiment test test-fast test-all docs compile-check triton36-check gpu-tests-dry contrastive noncontrastive vit two-layer universality modular-addition large-k profile bench tensorboard clean
+.PHONY: experiment test test-fast test-all docs compile-check triton36-check gpu-tests-dry contrastive noncontrastive vit two-layer universality modular-addition looped-transformer large-k profile bench tensorboard clean
 
 experiment: $(STAMP)  ## the main job: MRP pretrain -> fine-tune vs supervised learning, seed 0 only, lr grid
 	$(PY) -m featlearn.experiments.mrp --grid --out runs/mrp
@@ -67,6 +67,10 @@ universality: $(STAMP)  ## Shi's dissertation ch. 7: universality vs label effic
 
 modular-addition: $(STAMP)  ## Shi's dissertation ch. 4: Fourier neurons of the k-input MLP (k = 3, p = 23), grokking against k
 	$(PY) -m featlearn.experiments.modular_addition --seed 0 1 2 --out runs/modular_addition
+
+looped-transformer: $(STAMP)  ## Shi's dissertation ch. 8: Fig. 8.1 (the hand-built loop) and a looped transformer trained from scratch
+	$(PY) -m featlearn.experiments.looped_transformer --seed 0 1 2 --out runs/looped_transformer
+	$(PY) -m featlearn.experiments.looped_transformer_trained --seed 0 1 2 --out runs/looped_transformer_trained
 
 large-k: $(STAMP)  ## MRP over k on one CPU thread (configs/large_k/mrp_k_cpu.yaml), resumable
 	$(PY) -m featlearn.experiments.sweep --config configs/large_k/mrp_k_cpu.yaml --seed 0 --out runs/large_k/mrp_k_cpu

@@ -110,7 +110,7 @@ def run(name: str, size: dict, seed: int | None, folder: str = "") -> Run:
 def collector(correlation: int | None = None):
     """A fit's result: the model tested (probes fitted on the val split, scored on the test split), its summary,
     the normalized final loss and, for the seed ``correlation``, its neuron x atom correlations (rows sorted by
-    atom)."""
+    atom). ``wall_s``: since the collector was made (the fit of every seed, and the collects before this one)."""
     t0 = time.time()
 
     def collect(fitted) -> dict:

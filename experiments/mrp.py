@@ -116,7 +116,7 @@ def _encoder_row(metrics: dict) -> dict:
 
 def _classifier_row(fitted, start: float) -> dict:
     """A fine-tuned or supervised classifier's row: capture columns, val/test accuracy, steps, seconds."""
-    val = scalars(fitted.trainer.validate(fitted.model, fitted.datamodule, verbose=False)[0])
+    val = scalars(fitted.validate())
     test = scalars(fitted.test())
     return {**_encoder_row(scalars(fitted.model.final_metrics())),
             "test acc multi-view": test["test/acc/multi"], "test acc single-view": test["test/acc/single"],

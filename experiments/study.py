@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from featlearn.errors import DivergenceError
+from featlearn.cli import seeded_text
 from featlearn.experiments.common import CONFIGS, FitProgress, build, resolved_config, scalars, write_results
 from featlearn.experiments.settings import load_settings
 from featlearn.lightning_modules.seed_guard import STEP
@@ -75,8 +76,8 @@ class Run:
     and the model's where its class takes one). Logs go to ``<study out>/<name>``.
 
     A key without a dot replaces a whole group first (``{"data": "configs/two_layer/data_interval.yaml"}``).
-    ``{seed}`` in a text value is the run's seed (a per-seed checkpoint to start from, say), as under
-    ``lightning fit --seeds``.
+    ``{seed}`` in a method's or data's text value (``model.*``, ``data.*``) is the run's seed (a per-seed
+    checkpoint to start from, say), as the CLI reads it (:func:`featlearn.cli.seeded_text`).
     """
     config: str
     name: str
@@ -94,7 +95,7 @@ class Run:
             if keys is None:
                 keys = _seed_keys(self.config, tuple(a for k, v in groups.items() for a in (f"--{k}", text(v))))
             seeded = {"seed_everything": self.seed, **{k: self.seed for k in keys}}
-            rest = {k: v.replace("{seed}", str(self.seed)) if isinstance(v, str) else v for k, v in rest.items()}
+            rest = {k: seeded_text(k, v, self.seed) for k, v in rest.items()}
         return {**groups, **seeded, **rest}
 
     def argv(self) -> list[str]:
@@ -115,25 +116,31 @@ class Fitted:
     """What a collect reads of one finished fit, or of one seed of several fitted together: the method (``model``,
     that seed's own module), its ``datamodule``, the ``trainer`` that ran it, its final state's ``checkpoint``
     (a ``last.ckpt`` that ``lightning fit --ckpt_path`` resumes and ``reference`` settings start from), the
-    optimisation ``steps`` it took, its ``seed`` (the run's) and :meth:`test`."""
+    optimisation ``steps`` it took, its ``seed`` (the run's), and :meth:`test` and :meth:`validate`. For one seed of
+    several the trainer is the stack's: run the test and validation loops through these two, never through
+    ``trainer.test(model, ...)`` on the seed's module (whose logs go to the stack)."""
     model: Any
     datamodule: Any
     trainer: Any
     checkpoint: str | None
     steps: int
     seed: int | None
-    tester: Callable[[], dict] = field(repr=False)
+    loop: Callable[[str], dict] = field(repr=False)
 
     def test(self) -> dict[str, float]:
         """Run the test loop (the method's ``test_step``) and return what it logged, as ``trainer.test`` does."""
-        return self.tester()
+        return self.loop("test")
+
+    def validate(self) -> dict[str, float]:
+        """Run the validation loop and return what it logged, as ``trainer.validate`` does."""
+        return self.loop("validate")
 
     @staticmethod
     def of_cli(cli, seed: int | None) -> "Fitted":
         trainer = cli.trainer
         saved = trainer.checkpoint_callback.last_model_path if trainer.checkpoint_callback is not None else ""
         return Fitted(cli.model, cli.datamodule, trainer, saved or None, int(trainer.global_step), seed,
-                      lambda: trainer.test(cli.model, cli.datamodule, verbose=False)[0])
+                      lambda kind: getattr(trainer, kind)(cli.model, cli.datamodule, verbose=False)[0])
 
 
 def final_metrics(fitted: Fitted) -> dict[str, float]:
@@ -236,16 +243,20 @@ class Study:
         the fit ``Run(run.config, f"{run.name}/seed_{s}", run.overrides, seed=s)``, kept in ``study.json`` under
         that name, so a resumed study fits only the seeds it lacks. Returns seed -> ``collect(Fitted)``; a seed
         that diverged gets ``{"diverged": True, "error": <why>}`` (the others go on). Logs and each seed's
-        ``last.ckpt`` are in ``<out>/<run.name>/seed_<s>``."""
-        if run.seed is not None:
-            raise ValueError(f"fit_seeds takes a run without a seed (the seeds are its own argument), got {run.seed}")
-        runs = {s: Run(run.config, f"{run.name}/seed_{s}", run.overrides, seed=s, seed_keys=run.seed_keys)
-                for s in seeds}
+        ``last.ckpt`` are in ``<out>/<run.name>/seed_<s>``. The first seed's ``test()`` (``validate()``) runs the
+        loop for every seed at once, so a collect calls them before it reads what they set on the module."""
+        if run.seed is not None or run.seed_keys is not None:
+            raise ValueError("fit_seeds takes a run without a seed or seed_keys (each seed sets seed_everything and "
+                             f"the data's and the model's seed, as under --seeds), got {run.seed}, {run.seed_keys}")
+        runs = {s: Run(run.config, f"{run.name}/seed_{s}", run.overrides, seed=s) for s in seeds}
         todo = [s for s in seeds if self._kept(runs[s]) is None]
         if todo:
-            group = self.out / run.name
-            for entry in list(group.iterdir()) if group.is_dir() else []:  # a stack cut short: its own files
-                if not entry.name.startswith("seed_") or int(entry.name.removeprefix("seed_")) in todo:
+            group, kept = self.out / run.name, len(todo) < len(seeds)
+            for entry in list(group.iterdir()) if group.is_dir() else []:  # what a stack cut short left behind
+                seed = entry.name.removeprefix("seed_")
+                if seed.isdigit() and int(seed) in todo or not kept and not seed.isdigit():
+                    shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+                elif kept and entry.name in ("config.yaml", "hparams.yaml", "checkpoints"):  # rewritten by this fit
                     shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
             cli = build(run.config, self.out, run.name, *run.argv(), "--seeds", json.dumps(todo))
             try:
@@ -300,20 +311,21 @@ class Study:
 
 
 def _seed_fitted(cli, row: int, tested: dict) -> Fitted:
-    """Seed row ``row`` of a stacked fit; ``tested`` keeps one test of the whole stack for every seed's ``test()``."""
+    """Seed row ``row`` of a stacked fit; ``tested`` keeps one test (validation) of the stack for every seed."""
     stack, data, trainer = cli.model, cli.datamodule, cli.trainer
     held = stack.guard.snapshots[row] if row in stack.guard.stopped else None  # a seed its method stopped early
     steps = int(held[STEP]) if held is not None else int(trainer.global_step)
 
-    def test() -> dict:
-        if "rows" not in tested:
+    def loop(kind: str) -> dict:
+        if kind not in tested:  # one test (or validation) of the whole stack; each seed reads its own logs
             with stack.logs.fresh() as logged:
-                trainer.test(stack, data, verbose=False)
-            tested["rows"] = logged
-        return dict(tested["rows"][row])
+                getattr(trainer, kind)(stack, data, verbose=False)
+            tested[kind] = logged
+        stack.logs.last[row].update(tested[kind][row])  # from now on this seed's logs hold them, as one run's would
+        return dict(tested[kind][row])
 
     checkpoint = Path(run_folder(trainer)) / f"seed_{stack.seeds[row]}" / "last.ckpt"
-    return Fitted(stack.members[row], data.members[row], trainer, str(checkpoint), steps, stack.seeds[row], test)
+    return Fitted(stack.members[row], data.members[row], trainer, str(checkpoint), steps, stack.seeds[row], loop)
 
 
 __all__ = ["Run", "Study", "Fitted", "load_settings", "final_metrics", "text", "CONFIGS"]

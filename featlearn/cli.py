@@ -123,11 +123,14 @@ class FeatlearnCLI(LightningCLI):
         if "trainer.devices" in config:
             _check_devices(config["trainer.devices"])
         _results_not_placeholders(config.get("trainer.logger"))
-        seeds = config.get("seeds")
-        self._seed_texts = {key: value for key, value in config.items() if seeds and key.startswith(("model.", "data."))
-                            and isinstance(value, str) and "{seed}" in value}
-        for key, text in self._seed_texts.items():  # built first as the first seed's (the stack then replaces it)
-            config[key] = text.replace("{seed}", str(seeds[0]))
+        seeds, seed = config.get("seeds"), config.get("seed_everything")
+        self._seed_texts = {key: value for key, value in config.items() if seeded_text(key, value, 0) != value}
+        first = seeds[0] if seeds else seed if isinstance(seed, int) and not isinstance(seed, bool) else None
+        for key, text in self._seed_texts.items():  # the run's seed; with --seeds the first (the stack rebuilds each)
+            if first is None:
+                raise ConfigError(key, "a text whose {seed} a run can fill: give --seed_everything an integer or "
+                                       "--seeds", text)
+            config[key] = seeded_text(key, text, first)
 
     def instantiate_classes(self) -> None:
         try:
@@ -181,7 +184,7 @@ class FeatlearnCLI(LightningCLI):
                 if key in seeded:
                     seeded[key] = seed
             for key, text in self._seed_texts.items():  # "{seed}" in a method's or data's text: this seed's
-                seeded[key] = text.replace("{seed}", str(seed))
+                seeded[key] = seeded_text(key, text, seed)
             # the hyperparameters a module saves are read from this dump (LightningCLI's instantiator)
             self.config_dump = yaml.safe_load(parser.dump(seeded, skip_link_targets=False, skip_none=False))
             seed_everything(seed, verbose=False)
@@ -193,6 +196,21 @@ class FeatlearnCLI(LightningCLI):
         for key, text in self._seed_texts.items():  # the run's saved config.yaml keeps the template
             config[key] = text
         return SeedStack(models, seeds), SeedStackDataModule(datas, seeds)
+
+
+def seeded_text(key: str, value, seed: int):
+    """``value`` with ``{seed}`` replaced by ``seed`` where it is a text of the method's or the data's arguments
+    (``model.*``, ``data.*``: a per-seed checkpoint to start from); any other value as it is.
+
+    Example:
+        >>> seeded_text("model.init_args.reference", "runs/u/seed_{seed}/last.ckpt", 3)
+        'runs/u/seed_3/last.ckpt'
+        >>> seeded_text("trainer.default_root_dir", "runs/{seed}", 3)
+        'runs/{seed}'
+    """
+    if isinstance(value, str) and "{seed}" in value and key.startswith(("model.", "data.")):
+        return value.replace("{seed}", str(seed))
+    return value
 
 
 def _check_seed_settings(trainer, config) -> None:

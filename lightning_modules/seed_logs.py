@@ -89,12 +89,13 @@ class SeedLogs:
     @contextlib.contextmanager
     def fresh(self):
         """Within, :attr:`last` holds only what is logged meanwhile (the yielded per-seed dicts: a test's
-        values, as ``trainer.test`` returns them for one run); afterwards the earlier values are back beneath."""
+        values, as ``trainer.test`` returns them for one run); afterwards the earlier values are back, alone (a
+        caller hands each seed its loop's values when that seed asks for them)."""
         kept, self.last = self.last, [{} for _ in self.last]
         try:
             yield self.last
         finally:
-            self.last = [{**old, **new} for old, new in zip(kept, self.last)]
+            self.last = kept
 
     def close(self) -> None:
         trainer = self._stack()._trainer

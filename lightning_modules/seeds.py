@@ -136,9 +136,7 @@ class SeedStack(L.LightningModule):
         the run: several processes, a mode)."""
         return self.members[0].seeds_vmap
 
-    @property
-    def live(self) -> list[int]:
-        return [s for s, ok in enumerate(self.alive) if ok]
+    live = property(lambda self: [s for s, ok in enumerate(self.alive) if ok])
 
     # --- the step ------------------------------------------------------------------------------
     def training_step(self, batch, batch_idx):
@@ -170,10 +168,11 @@ class SeedStack(L.LightningModule):
         first = self.members[0]
         data = {k: torch.stack([b[k] for b in batches]) for k, v in batches[0].items() if torch.is_tensor(v)}
         members = [dict(m.named_buffers()) for m in self.members]
-        version = [(id(b), b._version) for bufs in members for b in bufs.values()]  # any write or swap: restack
-        if getattr(self, "_buffers_at", None) != version:  # most are ground truth, the same at every step
+        now = [(b, b._version) for bufs in members for b in bufs.values()]  # most are ground truth, never written
+        at = getattr(self, "_buffers_at", None)  # an in-place write or a swapped tensor: stacked again
+        if at is None or len(at) != len(now) or any(a is not b or u != v for (a, u), (b, v) in zip(at, now)):
             self._stacked_buffers = {n: torch.stack([bufs[n] for bufs in members]) for n in members[0]}
-            self._buffers_at = version
+            self._buffers_at = now
         buffers = self._stacked_buffers
 
         def one(weights, bufs, sample):

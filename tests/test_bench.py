@@ -119,6 +119,7 @@ def test_check_refuses_a_variant_that_writes_nan():
     (["bench", "op", "--repeats", "0"], "--repeats"),
     (["bench", "op", "--size", "gpu", "--device", "cpu"], "--size"),
     (["bench", "op", "--size", "smoke", "--device", "cpu", "--ceilings", "missing.csv"], "--ceilings"),
+    (["bench", "step", "--size", "smoke", "--fit", "--device", "cuda"], "--fit"),
 ])
 def test_bad_options_are_refused_naming_the_option(argv, field, capsys, tmp_path):
     with pytest.raises(SystemExit) as exit_:

@@ -22,7 +22,8 @@ def _args(out, seeds):
 
 
 def _collect(fitted):
-    return {**final_metrics(fitted), "test": fitted.test(), "checkpoint": fitted.checkpoint}
+    loops = {"test": fitted.test(), "val": fitted.validate()}  # first: for several seeds they run for all at once
+    return {**final_metrics(fitted), **loops, "checkpoint": fitted.checkpoint}
 
 
 def test_each_seed_of_a_stacked_fit_is_its_own_fit(tmp_path, monkeypatch, one_thread):
@@ -36,7 +37,8 @@ def test_each_seed_of_a_stacked_fit_is_its_own_fit(tmp_path, monkeypatch, one_th
         path = got.pop("checkpoint")
         assert path == str(out / "both" / f"seed_{s}" / "last.ckpt") and torch.load(path, weights_only=False)["seed"] == s
         want.pop("checkpoint")
-        assert got == want and got["steps"] == 3 and got["test"]  # the test logged something, per seed
+        assert got == want and got["steps"] == 3 and got["test"] and got["val"]  # each seed's own loops' logs
+        assert not [k for k in got["test"] if k.startswith("val/")]  # no validation value leaks into the test's
     assert together[3] != together[5]
     runs = json.loads((out / "study.json").read_text())["runs"]
     assert runs["both/seed_5"]["run"] == Run(CONFIG, "both/seed_5", SETTINGS, seed=5).spec()
@@ -49,7 +51,8 @@ def test_each_seed_of_a_stacked_fit_is_its_own_fit(tmp_path, monkeypatch, one_th
         assert again.progress.fits.n == 3
     assert len(built) == 1 and built[0][-2:] == ("--seeds", "[7]")
     assert more[3] == together[3] and more[5] == together[5] and more[7]["steps"] == 3
-    assert (out / "both" / "seed_3" / "last.ckpt").is_file()  # the kept seeds' files stay
+    assert (out / "both" / "seed_3" / "last.ckpt").is_file()  # the kept seeds' files stay, and the first stack's
+    assert len(list((out / "both").glob("events.out.tfevents.*"))) == 2  # run-level logs (seed 3's heat maps)
 
 
 def test_a_seed_that_diverges_is_a_result_and_the_others_go_on(tmp_path, monkeypatch, one_thread):
@@ -92,3 +95,7 @@ def test_seed_in_a_setting_is_each_seeds_own(tmp_path, one_thread):
     cr.trainer.fit(cr.model, cr.datamodule)
     saved = (tmp_path / "cr" / "config.yaml").read_text()
     assert "seed_{seed}" in saved  # the run's config keeps the template
+    alone = build("universality/cr.yaml", tmp_path, "cr1", *small, "--model.init_args.reference", template,
+                  "--seed_everything", "1")  # one seed: its seed_everything
+    alone.model.attach(alone.datamodule)
+    torch.testing.assert_close(alone.model.cr.ref_w, universal.model.members[1].w.detach())

@@ -97,6 +97,8 @@ def run(argv: list[str] | None = None, extra_cases: list | None = None) -> tuple
         return 0, [], files
     if args.size == "gpu" and args.device != "cuda":
         parser().error(f"--size: gpu needs --device cuda (got --device {args.device}); the CPU sizes are smoke and tiny")
+    if getattr(args, "fit", False) and args.device != "cpu":
+        parser().error(f"--fit: times `lightning fit` on the CPU (its sizes are the CPU ones), got --device {args.device}")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser().error("--device: cuda, but no CUDA device is visible")
     names = args.op if args.what == "op" else args.method

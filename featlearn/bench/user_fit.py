@@ -2,7 +2,7 @@
 
 ``featlearn bench step --fit`` adds a ``lightning fit`` variant to each step case: the case's config (its main
 job; non-contrastive population mode: ``with_head_population.yaml``) with the case's data and model settings,
-fitted by the ``lightning`` command in a process of its own with everything a run has (progress bar,
+fitted on the CPU by the ``lightning`` command in a process of its own with everything a run has (progress bar,
 TensorBoard logger, checkpoints, divergence guard, heat maps, validation when it falls due). Its step time is
 read from the wall times of the run's ``train/loss`` events: each interval between two logged steps after the
 first :data:`SKIP` steps (start-up, the first compile or autotune) divided by its steps. So the variant's
@@ -45,7 +45,7 @@ def fit_argv(config: str, data: dict, model: dict, steps: int, out: str) -> list
     TensorBoard logs in ``out``."""
     settings = [*[(f"data.init_args.{k}", v) for k, v in data.items()],
                 *[(f"model.init_args.{k}", v) for k, v in model.items()]]
-    return ["fit", "--config", f"configs/{config}", "--trainer.max_steps", str(steps),
+    return ["fit", "--config", f"configs/{config}", "--trainer.max_steps", str(steps), "--trainer.accelerator", "cpu",
             "--trainer.logger.init_args.save_dir", out, "--trainer.logger.init_args.version", "fit",
             *[a for key, value in settings for a in (f"--{key}", value if isinstance(value, str) else json.dumps(value))]]
 
@@ -62,6 +62,8 @@ def fit_step_seconds(config: str, data: dict, model: dict, log_every: int, threa
         if done.returncode:
             raise RuntimeError(f"lightning fit of {config} failed: {done.stderr.strip().splitlines()[-1:]}")
         events = next(Path(out).rglob("events.out.tfevents.*"), None)
+        if events is None:
+            raise RuntimeError(f"lightning fit of {config} wrote no TensorBoard events (is its logger off?)")
         scalars = EventAccumulator(str(events.parent), size_guidance={"scalars": 0}).Reload().Scalars("train/loss")
     logged = [(e.step, e.wall_time) for e in scalars if e.step >= SKIP]
     return [(t1 - t0) / (s1 - s0) for (s0, t0), (s1, t1) in zip(logged, logged[1:]) if s1 > s0]
