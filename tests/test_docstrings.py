@@ -5,7 +5,7 @@ import importlib
 import pytest
 
 MODULES = ["featlearn.kernels.registry", "featlearn.datamodules.modular_addition", "featlearn.theory.modular_addition",
-           "featlearn.theory.looped_transformer", "featlearn.theory.icl_rank",
+           "featlearn.theory.looped_transformer", "featlearn.theory.icl_scale",
            "featlearn.lightning_modules.modular_addition", "featlearn.lightning_modules.modular_transformer",
            "featlearn.lightning_modules.modular_base",
            "featlearn.kernels.modular_power_mlp",

@@ -1,5 +1,6 @@
-"""Why larger models do in-context learning differently (Shi 2024, Ch. 5, Section 5.4): the closed forms of
-linear-regression in-context learning by a linear self-attention whose key-query matrix has rank r.
+"""Why larger models do in-context learning differently (Shi 2024, Ch. 5): the closed forms of linear-regression
+in-context learning by a linear self-attention whose key-query matrix has rank r (Section 5.4), and the constructed
+optima of sparse-parity in-context learning by multi-head attention (Section 5.5, :func:`parity_heads`).
 
 Prompts hold N examples ``x_i ~ N(0, Lambda)`` with labels ``y_i = <w, x_i>`` (task ``w ~ N(0, I_d)``) and a query
 ``x_q``; ``Lambda = Q D Q^T`` with eigenvalues ``lambda_1 >= ... >= lambda_d``. The attention predicts
@@ -92,3 +93,30 @@ def lsa_prediction(X: torch.Tensor, y: torch.Tensor, x_q: torch.Tensor, U: torch
                    rho: float) -> torch.Tensor:
     """``(u / rho) sum_i y_i x_i^T U x_q`` per prompt: ``X`` ``[B, N, d]``, ``y`` ``[B, N]``, ``x_q`` ``[B, d]``."""
     return u / rho * torch.einsum("bn,bnd,de,be->b", y, X, U, x_q)
+
+
+def parity_heads(nu: int, gamma: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Theorem 5.5.1's heads for ``2^nu`` features, in the basis ``G`` (``W_i = G diag(V_i) G^T``): ``(a [2(nu+1)],
+    V [2(nu+1), 2^nu])``. Head ``h < nu``: ``a = -1``, ``V_t = (2 bit_h(t) - 1) / (4 gamma)`` (``bit_h(t)``: bit h of
+    the 0-based feature index t); head ``nu``: ``a = +1``, ``V = -nu / (4 gamma)``; heads ``nu+1 ..`` mirror the first
+    ``nu + 1`` (``-V``, the same ``a``). The small model is ``nu = nu1`` (the ``k = 2^nu1`` important features), the
+    large one ``nu = nu2`` (all ``d = 2^nu2``)."""
+    if not nu >= 1:
+        raise ConfigError("nu", "an integer >= 1 (2^nu features)", nu)
+    if not 0 < gamma < 0.25:
+        raise ConfigError("gamma", "in (0, 1/4)", gamma)
+    t = torch.arange(2 ** nu)
+    bits = torch.stack([(t >> h) & 1 for h in range(nu)]).double()
+    V = torch.cat([(2 * bits - 1) / (4 * gamma), torch.full((1, 2 ** nu), -nu / (4 * gamma), dtype=torch.float64)])
+    a = torch.cat([-torch.ones(nu, dtype=torch.float64), torch.ones(1, dtype=torch.float64)])
+    return torch.cat([a, a]), torch.cat([V, -V])
+
+
+def parity_output(a: torch.Tensor, V: torch.Tensor, i: int, j: int, phi_i: torch.Tensor, phi_j: torch.Tensor,
+                  gamma: float) -> torch.Tensor:
+    """The population output ``sum_h a_h ReLU((y^T X / N) W_h x_q)`` (N -> infinity) on task ``(i, j)`` for queries
+    with ``phi_q,i = phi_i``, ``phi_q,j = phi_j``: the in-context mean ``y^T X / N`` tends to ``2 gamma G (e_i +
+    e_j)`` (``E[y phi_i] = E[phi_j] = 2 gamma`` under the task's skewed pair distribution, 0 elsewhere), so head h
+    reads ``2 gamma (V_h,i phi_i + V_h,j phi_j)``."""
+    reads = 2 * gamma * (V[:, i:i + 1] * phi_i + V[:, j:j + 1] * phi_j)  # [heads, queries]
+    return (a[:, None] * torch.relu(reads)).sum(0)

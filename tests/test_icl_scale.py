@@ -1,4 +1,4 @@
-"""Ch. 5's closed forms (featlearn.theory.icl_rank) against what they claim: the population loss against Monte Carlo
+"""Ch. 5's closed forms (featlearn.theory.icl_scale) against what they claim: the population loss against Monte Carlo
 of the attention's prediction, Theorem 5.4.1's rank-r optimum against brute-force minimisation over rank-r
 factorisations, Theorem 5.4.2's evaluation loss against Monte Carlo with label noise, Theorem 5.4.3's gap against
 the difference of two evaluation losses; bad values refused naming the field."""
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from featlearn.errors import ConfigError
-from featlearn.theory.icl_rank import (evaluation_loss, lsa_prediction, optimal_attention, optimal_scales,
-                                       population_loss, rank_gap)
+from featlearn.theory.icl_scale import (evaluation_loss, lsa_prediction, optimal_attention, optimal_scales,
+                                        parity_heads, parity_output, population_loss, rank_gap)
 
 
 def _spectrum(d: int, seed: int):
@@ -101,6 +101,30 @@ def test_theorem_5_4_3_the_larger_rank_pays_more_for_label_noise():
     assert gaps[0] < gaps[1] < gaps[2]  # the noisier the labels, the larger the gap
 
 
+@pytest.mark.parametrize("gamma", [0.05, 0.2])
+def test_theorem_5_5_1_heads_classify_their_pairs_with_margin_one(gamma):
+    """d = 8 (nu2 = 3), k = 4 important features (nu1 = 2): the large model's 8 heads classify every pair of the 8
+    features, the small model's 6 every pair of the 4 important ones, each query sign pattern with margin y g >= 1
+    (= 1 at pairs one bit apart); the small model's heads are among the large model's, and it fails on a pair
+    outside its features."""
+    phi_i = torch.tensor([1.0, 1.0, -1.0, -1.0], dtype=torch.float64)
+    phi_j = torch.tensor([1.0, -1.0, 1.0, -1.0], dtype=torch.float64)
+    for nu in (2, 3):
+        a, V = parity_heads(nu, gamma)
+        assert a.shape == (2 * (nu + 1),) and V.shape == (2 * (nu + 1), 2 ** nu)
+        margins = [phi_i * phi_j * parity_output(a, V, i, j, phi_i, phi_j, gamma)
+                   for i in range(2 ** nu) for j in range(2 ** nu) if i != j]
+        margins = torch.stack(margins)
+        assert float(margins.min()) == pytest.approx(1.0, abs=1e-12), nu
+    small, large = parity_heads(2, gamma), parity_heads(3, gamma)
+    # the small model's bit heads are the large one's on the important features (their mirrors likewise)
+    torch.testing.assert_close(small[1][:2], large[1][:2, :4], rtol=0, atol=0)
+    a_small, V_small = small
+    outside = torch.cat([V_small, torch.zeros(len(V_small), 4, dtype=torch.float64)], dim=1)  # features 5..8 unread
+    g = parity_output(a_small, outside, 0, 6, phi_i, phi_j, gamma)
+    assert float((phi_i * phi_j * g).min()) < 1  # a pair with an unimportant feature is not classified
+
+
 @pytest.mark.parametrize("call, field", [
     (lambda lam: optimal_scales(lam, 10, 7), "r"),
     (lambda lam: optimal_scales(torch.tensor([1.0, 2.0], dtype=torch.float64), 10, 1), "lambdas"),
@@ -108,6 +132,8 @@ def test_theorem_5_4_3_the_larger_rank_pays_more_for_label_noise():
     (lambda lam: rank_gap(lam, torch.zeros(3, dtype=torch.float64), -1.0, 10, 10, 1, 2), "sigma"),
     (lambda lam: rank_gap(lam, torch.zeros(3, dtype=torch.float64), 1.0, 10, 10, 2, 2), "r"),
     (lambda lam: optimal_attention(torch.eye(3, dtype=torch.float64), lam, 10, 1, c=0.0), "c"),
+    (lambda lam: parity_heads(0, 0.1), "nu"),
+    (lambda lam: parity_heads(2, 0.3), "gamma"),
 ])
 def test_bad_values_are_refused_naming_the_field(call, field):
     with pytest.raises(ConfigError, match=f"^{field}:"):
