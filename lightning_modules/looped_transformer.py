@@ -103,17 +103,29 @@ class LoopedLinearTransformer(FeatureLearningModule):
 
     def forward(self, batch: dict, loops: int | None = None) -> torch.Tensor:
         """The output ``TF = -q`` ``[B, d]`` after ``loops`` loops (default T) on the batch's prompts."""
+        loops = self.hparams.loops if loops is None else loops
+        return self.outputs(batch, [loops])[loops]
+
+    def outputs(self, batch: dict, counts: list[int]) -> dict[int, torch.Tensor]:
+        """``TF`` after each loop count of ``counts``, from one pass of ``max(counts)`` loops."""
         X, y, alpha = (batch[k].to(self.Q.dtype) for k in ("X", "y", "alpha"))
         examples = torch.cat([X, y.unsqueeze(-1)], dim=-1)                       # [B, n, d+1]
         update = self.Q @ (examples.transpose(1, 2) @ examples) @ self.P          # Q G P  [B, d+1, d+1]
         z = torch.cat([torch.zeros_like(X[:, 0]), alpha.unsqueeze(-1)], dim=-1).unsqueeze(1)  # [q, alpha], q = 0
-        for eta in self.step_sizes(self.hparams.loops if loops is None else loops):
+        out = {0: -z[:, 0, :self.d]} if 0 in counts else {}
+        for t, eta in enumerate(self.step_sizes(max(counts)), start=1):
             z = z - eta * (z @ update)
-        return -z[:, 0, :self.d]
+            if t in counts:
+                out[t] = -z[:, 0, :self.d]
+        return out
 
     def batch_loss(self, batch: dict, loops: int | None = None) -> torch.Tensor:
         """``mean (<TF, theta*> - alpha)^2`` (``objective: inner``) or ``mean ||TF - alpha theta*||^2`` (``vector``)."""
-        out, theta, alpha = self(batch, loops), batch["theta"].to(self.Q.dtype), batch["alpha"].to(self.Q.dtype)
+        return self.loss_of(self(batch, loops), batch)
+
+    def loss_of(self, out: torch.Tensor, batch: dict) -> torch.Tensor:
+        """:meth:`batch_loss` of the outputs ``out``."""
+        theta, alpha = batch["theta"].to(self.Q.dtype), batch["alpha"].to(self.Q.dtype)
         if self.hparams.objective == "vector":
             return (out - alpha.unsqueeze(-1) * theta).square().sum(-1).mean()
         return ((out * theta).sum(-1) - alpha).square().mean()
@@ -151,10 +163,12 @@ class LoopedLinearTransformer(FeatureLearningModule):
         eta, kappa = step_size(X), condition_number(X)
         gd = gradient_descent(X, batch["y"].double(), eta, max(self.eval_loops))
         xty = (X.transpose(1, 2) @ batch["y"].double().unsqueeze(-1)).squeeze(-1)
-        out = {"val/loss": float(self.batch_loss(batch)),
-               "val/cos_xty": float(torch.cosine_similarity(self(batch).double(), xty, dim=-1).mean())}
+        T = self.hparams.loops
+        tf = self.outputs(batch, [T, *self.eval_loops])  # one pass for every loop count
+        out = {"val/loss": float(self.loss_of(tf[T], batch)),
+               "val/cos_xty": float(torch.cosine_similarity(tf[T].double(), xty, dim=-1).mean())}
         for L in self.eval_loops:
-            scaled = self(batch, L).double() / alpha.unsqueeze(-1)
+            scaled = tf[L].double() / alpha.unsqueeze(-1)
             out[f"val/error_loops{L}"] = float(((scaled * theta).sum(-1) - 1).abs().mean())
             out[f"val/vector_error_loops{L}"] = float((scaled - theta).norm(dim=-1).mean())
             out[f"val/gd_error_loops{L}"] = float(((gd[L] * theta).sum(-1) - 1).abs().mean())

@@ -16,7 +16,6 @@ Example:
 """
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -27,6 +26,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from featlearn.bench.step_methods import MAIN_JOBS
 from featlearn.experiments.common import CONFIGS
+from featlearn.experiments.study import text
 
 SKIP = 50
 """Steps left out at the start of the run (process start, building, the first steps' one-off costs)."""
@@ -47,7 +47,7 @@ def fit_argv(config: str, data: dict, model: dict, steps: int, out: str) -> list
                 *[(f"model.init_args.{k}", v) for k, v in model.items()]]
     return ["fit", "--config", f"configs/{config}", "--trainer.max_steps", str(steps), "--trainer.accelerator", "cpu",
             "--trainer.logger.init_args.save_dir", out, "--trainer.logger.init_args.version", "fit",
-            *[a for key, value in settings for a in (f"--{key}", value if isinstance(value, str) else json.dumps(value))]]
+            *[a for key, value in settings for a in (f"--{key}", text(value))]]
 
 
 def fit_step_seconds(config: str, data: dict, model: dict, log_every: int, threads: int = 0) -> list[float]:
