@@ -71,15 +71,15 @@ def head_spectra(M: torch.Tensor) -> dict[str, torch.Tensor]:
     p = M.shape[-1]
     power = torch.fft.fft2(M - M.mean((-2, -1), keepdim=True)).abs().square()  # [H, p, p]
     pair = power + torch.roll(power.flip(-2, -1), shifts=(1, 1), dims=(-2, -1))  # P(f) + P(-f)
+    # the frequency grid depends on p alone: built on the CPU, its indices moved to the matrices' device
     f = torch.arange(p)
     centred = torch.where(f > p // 2, f - p, f)
-    f1, f2 = centred[:, None].expand(p, p), centred[None, :].expand(p, p)
-    canonical = ((f1 > 0) | ((f1 == 0) & (f2 > 0))).reshape(-1)  # one member of each pair
-    flat = pair.reshape(len(M), -1)[:, canonical]
-    best, where = flat.max(1)
+    f1, f2 = centred[:, None].expand(p, p).reshape(-1), centred[None, :].expand(p, p).reshape(-1)
+    canonical = ((f1 > 0) | ((f1 == 0) & (f2 > 0))).nonzero().squeeze(1)  # one member of each pair
+    pairs = torch.stack([f1[canonical], f2[canonical]], 1).to(M.device)
+    best, where = pair.reshape(len(M), -1)[:, canonical.to(M.device)].max(1)
     total = power.sum((-2, -1))
     top = torch.where(total > 1e-300, best / total.clamp_min(1e-300), torch.zeros_like(total))
-    pairs = torch.stack([f1.reshape(-1)[canonical], f2.reshape(-1)[canonical]], 1)
     return {"top_power": top, "frequency": pairs[where]}
 
 

@@ -72,7 +72,8 @@ METHODS = {
     "universality_infonce": ("universality/infonce.yaml", HIDDEN),
     "contrastive_regularization": ("universality/cr.yaml", HIDDEN),
     "modular_addition": ("modular_addition/mlp.yaml", MODADD),  # the embedding gradient adds with atomics
-    "modular_transformer": ("modular_addition/transformer.yaml", TRANSFORMER),  # SDPA's CUDA kernels
+    # SDPA's CUDA kernels; dropout off on CUDA too (the CPU and GPU generators draw different masks)
+    "modular_transformer": ("modular_addition/transformer.yaml", TRANSFORMER, over(model=dict(dropout=0.0))),
     "looped_transformer": ("looped_transformer/trained.yaml", LOOPED),  # ch. 8: batched (d+1)^2 GEMMs, loops
 }
 # the 1-rank DDP run: at one rank the methods skip their own collectives (world size 1), so what it checks
