@@ -9,7 +9,7 @@ VENV36 := .venv-triton36
 COMPILE_OUT ?= runs/gpu-compile
 KERNEL_TESTS := tests/test_soft_threshold.py tests/test_smoothed_clamp.py tests/test_patch_activation_sum.py \
 	tests/test_masked_attention.py tests/test_bn_cosine_loss.py tests/test_activations.py tests/test_kernel_template.py \
-	tests/test_gpu_compile.py tests/test_int32_offsets.py
+	tests/test_gpu_compile.py tests/test_int32_offsets.py tests/test_modular_power_mlp.py tests/test_looped_linear_attention.py
 # make test-fast: a first check in under 2 minutes (the CLI and config contract, refusals, determinism of the
 # sampler, checkpoints that resume bit-equal, one kernel against its float64 reference, one paper's headline)
 FAST_TESTS := tests/test_interfaces.py tests/test_rng.py tests/test_checkpoints.py tests/test_soft_threshold.py \
@@ -24,7 +24,7 @@ else
 INSTALL_TORCH := $(PY) -m pip install -q torch==2.13.0+cpu || $(PY) -m pip install -q torch==2.13.0+cpu --index-url $(TORCH_CPU_INDEX)
 endif
 
-.PHONY: experiment test test-fast test-all docs compile-check triton36-check gpu-tests-dry contrastive noncontrastive vit two-layer universality modular-addition looped-transformer large-k profile bench tensorboard clean
+.PHONY: experiment test test-fast test-all docs compile-check triton36-check gpu-tests-dry contrastive noncontrastive vit two-layer universality modular-addition looped-transformer icl-scale large-k profile bench tensorboard clean
 
 experiment: $(STAMP)  ## the main job: MRP pretrain -> fine-tune vs supervised learning, seed 0 only, lr grid
 	$(PY) -m featlearn.experiments.mrp --grid --out runs/mrp
@@ -71,6 +71,10 @@ modular-addition: $(STAMP)  ## Shi's dissertation ch. 4: Fourier neurons of the 
 looped-transformer: $(STAMP)  ## Shi's dissertation ch. 8: Fig. 8.1 (the hand-built loop) and a looped transformer trained from scratch
 	$(PY) -m featlearn.experiments.looped_transformer --seed 0 1 2 --out runs/looped_transformer
 	$(PY) -m featlearn.experiments.looped_transformer_trained --seed 0 1 2 --out runs/looped_transformer_trained
+
+icl-scale: $(STAMP)  ## Shi's dissertation ch. 5: rank-r linear attention trained for in-context regression, noise sensitivity
+	$(PY) -m featlearn.experiments.icl_scale --seed 0 1 2 --out runs/icl_scale
+	$(PY) -m featlearn.experiments.icl_parity --seed 0 1 2 --out runs/icl_parity
 
 large-k: $(STAMP)  ## MRP over k on one CPU thread (configs/large_k/mrp_k_cpu.yaml), resumable
 	$(PY) -m featlearn.experiments.sweep --config configs/large_k/mrp_k_cpu.yaml --seed 0 --out runs/large_k/mrp_k_cpu

@@ -2,6 +2,7 @@
 from featlearn.kernels.activations import Activation, smoothed_relu, smoothed_relu_derivative
 from featlearn.kernels.backend import FLOAT_DTYPES, KernelInputError, check_float_inputs
 from featlearn.kernels.infonce import infonce_grad_closed_form, infonce_reference, infonce_stopgrad
+from featlearn.kernels.looped_linear_attention import looped_linear_attention, looped_linear_attention_reference
 from featlearn.kernels.masked_attention import masked_attention, masked_attention_reference
 from featlearn.kernels.modular_power_mlp import modular_power_mlp, modular_power_mlp_reference
 from featlearn.kernels.bn_cosine_loss import bn_column_stats, bn_cosine_loss, bn_cosine_loss_reference
@@ -21,6 +22,8 @@ __all__ = [
     "infonce_reference",
     "infonce_stopgrad",
     "KernelInputError",
+    "looped_linear_attention",
+    "looped_linear_attention_reference",
     "masked_attention",
     "masked_attention_reference",
     "modular_power_mlp",

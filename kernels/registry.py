@@ -42,4 +42,6 @@ OPS = (
             "smoothed_clamp"),
     FusedOp("modular_power_mlp", "modular_power_mlp", "ModularPowerMLPFunction", "_modpow", frozenset({"B"}),
             "modular_power_mlp"),
+    FusedOp("looped_linear_attention", "looped_linear_attention", "LoopedLinearAttentionFunction", "_looped_attn",
+            frozenset({"B"}), "looped_linear_attention"),
 )

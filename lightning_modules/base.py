@@ -148,6 +148,17 @@ class FeatureLearningModule(L.LightningModule):
         with torch.no_grad(), record_function("featlearn.metrics"):  # a phase of `featlearn profile`'s trace
             self.finish_step(self.global_step + 1)  # Lightning counts the step once this hook returns
 
+    def adam_cosine(self, lr: float, schedule: str = "cosine"):
+        """Adam at ``lr`` on every parameter, annealed to 0 over the run's steps by a cosine (``schedule:
+        cosine``; ``constant`` keeps it, as does a module without a Trainer): the in-context learning modules'
+        ``configure_optimizers``."""
+        optimizer = torch.optim.Adam(self.parameters(), lr=lr)
+        if schedule == "constant" or self._trainer is None:
+            return optimizer
+        steps = max(1, int(self.trainer.estimated_stepping_batches))
+        cosine = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": cosine, "interval": "step"}}
+
     def prepare_step(self, optimizer) -> None:
         """Set what the coming step needs before its forward runs (a schedule's step sizes in ``optimizer``)."""
 

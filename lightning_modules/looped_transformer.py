@@ -5,7 +5,8 @@ The network is the chapter's (Defs 8.6-8.7): the prompt ``Z = [[X, y], [q^T, alp
 loops of masked linear attention ``Z <- Z - eta_t (M o (Z Q Z^T)) Z P`` with weights ``Q, P`` ``(d+1) x (d+1)``
 shared across loops; the output is ``-q``. The mask lets only the query row attend, and only to the n
 examples, so only that row ``z = [q, alpha]`` changes, and a loop is ``z <- z (I - eta_t Q G P)`` with the
-prompt's Gram matrix ``G = [X, y]^T [X, y]``: the module computes it so, ``O(d^2)`` per loop after ``G``
+prompt's Gram matrix ``G = [X, y]^T [X, y]``: the module computes it so, ``O(d^2)`` per loop after ``G``, every
+loop in one call of the fused op :func:`~featlearn.kernels.looped_linear_attention.looped_linear_attention`
 (``tests/test_looped_transformer_module.py`` checks it against the definition's ``(n+1) x (n+1)`` form). With
 Theorem 8.14's ``Q = I``, ``P = diag(I_d, 0)`` and ``eta_t = 1 / lambda_max(X^T X)`` the output is ``alpha``
 times T steps of gradient descent.
@@ -44,6 +45,8 @@ import torch
 
 from featlearn.datamodules.linear_prompts import LinearPromptDataModule
 from featlearn.errors import ConfigError
+from featlearn.kernels.backend import Backend, resolve_backend
+from featlearn.kernels.looped_linear_attention import MAX_DIM, looped_linear_attention
 from featlearn.lightning_modules.base import FeatureLearningModule
 from featlearn.theory.looped_transformer import condition_number, gd_construction, gradient_descent, step_size
 from featlearn.validation import PositiveFloat, PositiveInt, check_args
@@ -61,18 +64,19 @@ class LoopedLinearTransformer(FeatureLearningModule):
         init_scale: the entries' standard deviation of a random start.
         lr: Adam's step size; ``schedule: cosine`` anneals it to 0 over the run's steps (``constant``: kept).
         eval_loops: the loop counts evaluated at each validation (default ``[T, 2T, 4T]``).
+        backend: the fused op's (``auto``: Triton on CUDA for ``d < 64``, PyTorch otherwise; ``triton`` needs
+            ``d < 64``). Several seeds in one run step together through ``vmap`` on the PyTorch form only.
         seed: the random start's seed.
     """
 
     datamodule_class = LinearPromptDataModule
     heatmap_axes = ("row", "column")
-    seeds_vmap = True  # the loss is a pure function of the weights and the batch: several seeds, one vmap
 
     def __init__(self, loops: PositiveInt = 10, step_sizes: Literal["per_loop", "shared"] = "per_loop",
                  objective: Literal["inner", "vector"] = "inner", init: Literal["random", "construction"] = "random",
                  init_scale: PositiveFloat = 0.1, lr: PositiveFloat = 1e-2,
                  schedule: Literal["cosine", "constant"] = "cosine", eval_loops: list[PositiveInt] | None = None,
-                 seed: int = 0):
+                 backend: Backend = "auto", seed: int = 0):
         check_args("model", LoopedLinearTransformer.__init__, locals())
         if eval_loops is not None and not eval_loops:
             raise ConfigError("model.eval_loops", "a non-empty list of loop counts, or null", eval_loops)
@@ -82,6 +86,9 @@ class LoopedLinearTransformer(FeatureLearningModule):
 
     def build(self, dm: LinearPromptDataModule) -> None:
         hp, d = self.hparams, dm.d
+        if hp.backend == "triton" and d + 1 > MAX_DIM:
+            raise ConfigError("model.backend", f"'auto' or 'torch' for d >= {MAX_DIM} (the Triton loops hold "
+                                               f"d + 1 <= {MAX_DIM})", hp.backend)
         self.d, self.n = d, dm.n
         construction = gd_construction(d, torch.float32)
         if hp.init == "construction":
@@ -106,18 +113,29 @@ class LoopedLinearTransformer(FeatureLearningModule):
         loops = self.hparams.loops if loops is None else loops
         return self.outputs(batch, [loops])[loops]
 
+    def op_backend(self) -> str:
+        """The op's backend for this module's weights: ``auto`` resolved, PyTorch where Triton cannot take D."""
+        if self.hparams.backend == "auto" and self.d + 1 > MAX_DIM:
+            return "torch"
+        return resolve_backend(self.hparams.backend, self.Q)
+
+    @property
+    def seeds_vmap(self) -> bool:
+        """The loss is a pure function of the weights and the batch: several seeds run it in one vmap, on the
+        op's PyTorch form (the Triton kernels have no vmap rule: each seed then steps in turn)."""
+        return not self.built or self.op_backend() == "torch"
+
     def outputs(self, batch: dict, counts: list[int]) -> dict[int, torch.Tensor]:
         """``TF`` after each loop count of ``counts``, from one pass of ``max(counts)`` loops."""
         X, y, alpha = (batch[k].to(self.Q.dtype) for k in ("X", "y", "alpha"))
         examples = torch.cat([X, y.unsqueeze(-1)], dim=-1)                       # [B, n, d+1]
-        update = self.Q @ (examples.transpose(1, 2) @ examples) @ self.P          # Q G P  [B, d+1, d+1]
-        z = torch.cat([torch.zeros_like(X[:, 0]), alpha.unsqueeze(-1)], dim=-1).unsqueeze(1)  # [q, alpha], q = 0
-        out = {0: -z[:, 0, :self.d]} if 0 in counts else {}
-        for t, eta in enumerate(self.step_sizes(max(counts)), start=1):
-            z = z - eta * (z @ update)
-            if t in counts:
-                out[t] = -z[:, 0, :self.d]
-        return out
+        z0 = torch.cat([torch.zeros_like(X[:, 0]), alpha.unsqueeze(-1)], dim=-1)  # [q, alpha], q = 0
+        loops = max(counts)
+        if loops == 0:
+            return {0: -z0[:, :self.d]}
+        Z = looped_linear_attention(examples.transpose(1, 2) @ examples, z0, self.Q, self.P, self.step_sizes(loops),
+                                    backend=self.op_backend())  # [B, loops + 1, d+1]
+        return {t: -Z[:, t, :self.d] for t in counts}
 
     def batch_loss(self, batch: dict, loops: int | None = None) -> torch.Tensor:
         """``mean (<TF, theta*> - alpha)^2`` (``objective: inner``) or ``mean ||TF - alpha theta*||^2`` (``vector``)."""
@@ -142,12 +160,7 @@ class LoopedLinearTransformer(FeatureLearningModule):
         return self.record_step(self.seed_loss(batch), batch)
 
     def configure_optimizers(self):
-        optimizer = torch.optim.Adam(self.parameters(), lr=self.hparams.lr)
-        if self.hparams.schedule == "constant" or self._trainer is None:
-            return optimizer
-        steps = max(1, int(self.trainer.estimated_stepping_batches))
-        schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+        return self.adam_cosine(self.hparams.lr, self.hparams.schedule)
 
     # --- evaluation --------------------------------------------------------------------------------
     def validation_step(self, batch, batch_idx):

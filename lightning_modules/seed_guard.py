@@ -71,7 +71,7 @@ class SeedGuard:
 
     def _norms(self) -> torch.Tensor:
         """Each seed's weight norm ``[S]`` (float64, on the device)."""
-        squares = [torch.linalg.vector_norm(leaf.detach().flatten(1), dim=1, dtype=torch.float64) ** 2
+        squares = [torch.linalg.vector_norm(leaf.detach().reshape(len(leaf), -1), dim=1, dtype=torch.float64) ** 2
                    for leaf in self.stack.stacked]
         return torch.stack(squares).sum(0).sqrt()
 

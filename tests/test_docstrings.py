@@ -5,10 +5,12 @@ import importlib
 import pytest
 
 MODULES = ["featlearn.kernels.registry", "featlearn.datamodules.modular_addition", "featlearn.theory.modular_addition",
-           "featlearn.theory.looped_transformer", "featlearn.theory.icl_scale",
+           "featlearn.theory.looped_transformer", "featlearn.theory.icl_scale", "featlearn.datamodules.icl_regression",
+           "featlearn.lightning_modules.icl_lsa", "featlearn.experiments.icl_scale", "featlearn.datamodules.parity_prompts",
+           "featlearn.lightning_modules.icl_parity", "featlearn.experiments.icl_parity",
            "featlearn.lightning_modules.modular_addition", "featlearn.lightning_modules.modular_transformer",
            "featlearn.lightning_modules.modular_base",
-           "featlearn.kernels.modular_power_mlp",
+           "featlearn.kernels.modular_power_mlp", "featlearn.kernels.looped_linear_attention",
            "featlearn.experiments.modular_addition", "featlearn.experiments.modular_addition_grokking",
            "featlearn.experiments.looped_transformer", "featlearn.experiments.looped_transformer_trained",
            "featlearn.datamodules.linear_prompts", "featlearn.lightning_modules.looped_transformer", "featlearn.bench.user_fit",

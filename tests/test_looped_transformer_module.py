@@ -1,7 +1,8 @@
 """The trainable looped linear transformer of Ch. 8 (featlearn.lightning_modules.looped_transformer) and its prompts
 (featlearn.datamodules.linear_prompts): the module's O(d^2) loop is the chapter's masked attention (values and
 gradients, float64, odd sizes), the construction is alpha x gradient descent, the sampler has its stated
-statistics, bad values are refused naming the field, and training learns the task."""
+statistics, the Triton loops (interpreter) step as the PyTorch ones, bad values are refused naming the field, and
+training learns the task."""
 import pytest
 import torch
 
@@ -75,6 +76,36 @@ def test_prompts_have_their_stated_statistics():
     assert not torch.equal(other["theta"], b["theta"][:3])
 
 
+def test_a_triton_step_is_the_torch_step(poisoned):
+    """backend="triton" (the fused kernels, here through the interpreter) against "torch" in float32: the loss, its
+    gradients, one Adam step and the validation's loop counts (past the learned loops too)."""
+    dm = LinearPromptDataModule(d=3, n=7, batch_size=5, seed=2)
+    models = [LoopedLinearTransformer(loops=4, init_scale=0.3, backend=backend, seed=1).attach(dm)
+              for backend in ("torch", "triton")]
+    assert [m.op_backend() for m in models] == ["torch", "triton"]
+    assert [m.seeds_vmap for m in models] == [True, False]  # the kernels have no vmap rule: seeds step in turn
+    batch = dm.batch(torch.arange(5) + 3, "train")
+    losses, grads = [], []
+    for model in models:
+        with torch.no_grad():
+            model.log_eta.copy_(torch.log(torch.tensor([0.05, 0.1, 0.02, 0.08])))
+        optimizer = model.configure_optimizers()
+        loss = model.training_step(batch, 0)
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append([p.grad.clone() for p in (model.Q, model.P, model.log_eta)])
+        optimizer.step()
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-7)
+    for a, b in zip(*grads):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
+    for a, b in zip(*(m.parameters() for m in models)):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
+    with torch.no_grad():
+        outs = [m.outputs(batch, [0, 4, 8, 16]) for m in models]
+    for L in (0, 4, 8, 16):
+        torch.testing.assert_close(outs[1][L], outs[0][L], rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("build, field", [
     (lambda: LinearPromptDataModule(d=5, n=4), "data.n"),
     (lambda: LinearPromptDataModule(alpha_low=2.0, alpha_high=1.0), "data.alpha_high"),
@@ -84,6 +115,8 @@ def test_prompts_have_their_stated_statistics():
     (lambda: LoopedLinearTransformer(eval_loops=[3, 0]), "model.eval_loops"),
     (lambda: LoopedLinearTransformer(init_scale=-0.1), "model.init_scale"),
     (lambda: LoopedLinearTransformer(step_sizes="each"), "model.step_sizes"),
+    (lambda: LoopedLinearTransformer(backend="cuda"), "model.backend"),
+    (lambda: LoopedLinearTransformer(backend="triton").attach(LinearPromptDataModule(d=64, n=64)), "model.backend"),
 ])
 def test_bad_values_are_refused_naming_the_field(build, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):

@@ -35,7 +35,7 @@ import pytest
 import torch
 import yaml
 
-from tiny_sizes import HIDDEN, LOOPED, MODADD, MRP, PARITY, PATCHES, SPARSE, TRANSFORMER, VIT, over
+from tiny_sizes import HIDDEN, ICL, ICL_PARITY, LOOPED, MODADD, MRP, PARITY, PATCHES, SPARSE, TRANSFORMER, VIT, over
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
@@ -70,6 +70,8 @@ METHODS = {
                             HEATMAP + ("heads/dft",)),
     "looped_transformer": ("looped_transformer/trained.yaml", LOOPED, "train/loss", "lr",
                            HEATMAP + ("heatmap/Q", "heatmap/P")),
+    "icl_lsa": ("icl_scale/regression.yaml", ICL, "train/loss", "lr", HEATMAP),
+    "icl_parity": ("icl_scale/parity.yaml", ICL_PARITY, "train/loss", "lr", HEATMAP),
 }
 
 

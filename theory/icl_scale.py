@@ -63,6 +63,26 @@ def population_loss(Gamma: torch.Tensor, Lambda: torch.Tensor, N: int) -> torch.
             - 2 * torch.trace(Lambda @ Gamma.T @ Lambda) + torch.trace(Lambda))
 
 
+def expected_loss(Gamma: torch.Tensor, Lambda: torch.Tensor, M: int, sigma: float = 0.0,
+                  w: torch.Tensor | None = None) -> torch.Tensor:
+    """The exact ``E (y_hat - y_q)^2`` of any ``Gamma`` on prompts of ``M`` examples ``x_i ~ N(0, Lambda)`` whose
+    labels carry noise ``sigma^2`` (``rho = M``, noise-free query), for the task ``w`` (``None``: averaged over ``w
+    ~ N(0, I_d)``). With ``h = sum_i y_i x_i / M``, ``E h h^T = (1 + 1/M) Lambda w w^T Lambda + (||w||^2_Lambda +
+    sigma^2) Lambda / M`` (the Gaussian fourth moment), and the loss is ``tr(Lambda Gamma^T E[h h^T] Gamma) - 2
+    w^T Lambda Gamma^T Lambda w + ||w||^2_Lambda``. At ``sigma = 0``, ``M = N`` and ``w`` averaged it is
+    :func:`population_loss`; for ``Gamma = Q diag(v) Q^T`` and ``w = Q (s + xi)``, Theorem 5.4.2's
+    :func:`evaluation_loss`. Differentiable in ``Gamma``."""
+    _check(torch.linalg.eigvalsh(Lambda).flip(0).clamp_min(1e-300), sigma=sigma)
+    if w is None:
+        outer, energy = Lambda @ Lambda, torch.trace(Lambda)  # E w w^T = I
+    else:
+        Lw = Lambda @ w
+        outer, energy = torch.outer(Lw, Lw), w @ Lw
+    second = (1 + 1 / M) * outer + (energy + sigma ** 2) * Lambda / M
+    cross = torch.trace(Lambda @ Gamma.T @ Lambda) if w is None else Lw @ Gamma.T @ Lw
+    return torch.trace(Lambda @ Gamma.T @ second @ Gamma) - 2 * cross + energy
+
+
 def evaluation_loss(lambdas: torch.Tensor, v: torch.Tensor, s: torch.Tensor, xi: torch.Tensor, sigma: float,
                     M: int) -> float:
     """Theorem 5.4.2: the loss of ``Gamma = Q diag(v) Q^T`` (``v`` zero past its rank r) on prompts of ``M`` examples
@@ -95,19 +115,23 @@ def lsa_prediction(X: torch.Tensor, y: torch.Tensor, x_q: torch.Tensor, U: torch
     return u / rho * torch.einsum("bn,bnd,de,be->b", y, X, U, x_q)
 
 
-def parity_heads(nu: int, gamma: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Theorem 5.5.1's heads for ``2^nu`` features, in the basis ``G`` (``W_i = G diag(V_i) G^T``): ``(a [2(nu+1)],
-    V [2(nu+1), 2^nu])``. Head ``h < nu``: ``a = -1``, ``V_t = (2 bit_h(t) - 1) / (4 gamma)`` (``bit_h(t)``: bit h of
+def parity_heads(nu: int, gamma: float, d: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Theorem 5.5.1's heads on ``d`` features (default ``2^nu``), in the basis ``G`` (``W_i = G diag(V_i) G^T``):
+    ``(a [2(nu+1)], V [2(nu+1), d])``. Head ``h < nu``: ``a = -1``, ``V_t = (2 bit_h(t) - 1) / (4 gamma)`` (``bit_h(t)``: bit h of
     the 0-based feature index t); head ``nu``: ``a = +1``, ``V = -nu / (4 gamma)``; heads ``nu+1 ..`` mirror the first
     ``nu + 1`` (``-V``, the same ``a``). The small model is ``nu = nu1`` (the ``k = 2^nu1`` important features), the
-    large one ``nu = nu2`` (all ``d = 2^nu2``)."""
+    large one ``nu = nu2`` (all ``d = 2^nu2``); the theorem's small model is read on all ``d = 2^nu2`` features
+    (its neurons are the large model's, with the constant head's ``-nu1 / (4 gamma)``)."""
     if not nu >= 1:
         raise ConfigError("nu", "an integer >= 1 (2^nu features)", nu)
     if not 0 < gamma < 0.25:
         raise ConfigError("gamma", "in (0, 1/4)", gamma)
-    t = torch.arange(2 ** nu)
+    d = 2 ** nu if d is None else d
+    if not d >= 2 ** nu:
+        raise ConfigError("d", f"at least 2^nu = {2 ** nu} features", d)
+    t = torch.arange(d)
     bits = torch.stack([(t >> h) & 1 for h in range(nu)]).double()
-    V = torch.cat([(2 * bits - 1) / (4 * gamma), torch.full((1, 2 ** nu), -nu / (4 * gamma), dtype=torch.float64)])
+    V = torch.cat([(2 * bits - 1) / (4 * gamma), torch.full((1, d), -nu / (4 * gamma), dtype=torch.float64)])
     a = torch.cat([-torch.ones(nu, dtype=torch.float64), torch.ones(1, dtype=torch.float64)])
     return torch.cat([a, a]), torch.cat([V, -V])
 

@@ -27,6 +27,7 @@ from featlearn.kernels.backend import cublas_precision
 from featlearn.kernels import (Activation, smoothed_relu, bn_cosine_loss, bn_cosine_loss_reference, infonce_reference,
                                infonce_stopgrad, patch_activation_sum, patch_activation_sum_reference,
                                soft_threshold_layer, soft_threshold_reference)
+from featlearn.kernels.looped_linear_attention import looped_linear_attention, looped_linear_attention_reference
 from featlearn.kernels.masked_attention import masked_attention
 from featlearn.kernels.modular_power_mlp import modular_power_mlp, modular_power_mlp_reference
 from featlearn.kernels.registry import OPS as REGISTRY
@@ -68,6 +69,11 @@ CLAMP_S = 0.04
 MODPOW = {"smoke": [dict(B=16, k=3, p=7, m=24)], "tiny": [dict(B=1024, k=3, p=23, m=352)],
           "medium": [dict(B=1024, k=4, p=47, m=2944)], "gpu": [dict(B=1024, k=4, p=47, m=2944),
                                                             dict(B=1024, k=5, p=23, m=5632)]}
+# looped_linear_attention (Shi 2024, Ch. 8): B prompts of n examples in d dimensions (D = d + 1), T loops; tiny = the
+# CPU size of the module's timing, medium / gpu = the chapter's largest d and n, gpu with ~4096 prompts and 200 loops
+LOOPED = {"smoke": [dict(B=9, d=3, n=8, T=5)], "tiny": [dict(B=64, d=4, n=32, T=20)],
+          "medium": [dict(B=1024, d=20, n=128, T=100)],
+          "gpu": [dict(B=4096, d=4, n=16, T=200), dict(B=4096, d=20, n=128, T=200)]}
 OPS = tuple(op.bench for op in REGISTRY)  # featlearn/kernels/registry.py
 COMPILED_AT_GPU = ("patch_activation_sum", "soft_threshold", "masked_attention fwd+bwd")
 """The cases that keep a torch.compile variant at ``--size gpu`` (the compile budget, see the docstring)."""
@@ -417,6 +423,52 @@ def modpow_cases(size: str, device: torch.device) -> list[Case]:
     return cases
 
 
+# ------------------------------------------------------------------------------------------------
+def _looped_outputs(Z, inp):
+    return Z.detach(), *_grads((Z * inp["g"]).sum(), [inp["Q"], inp["P"], inp["eta"]])
+
+
+def looped_eager(inp, forward=looped_linear_attention_reference):
+    """The loop a user writes (a batched GEMM per loop), every loop's row kept; gradients of Q, P and eta."""
+    return _looped_outputs(forward(inp["G"], inp["z0"], inp["Q"], inp["P"], inp["eta"]), inp)
+
+
+def looped_featlearn(inp, backend):
+    return _looped_outputs(looped_linear_attention(inp["G"], inp["z0"], inp["Q"], inp["P"], inp["eta"],
+                                                   backend=backend), inp)
+
+
+def looped_cases(size: str, device: torch.device) -> list[Case]:
+    cases = []
+    for shape in LOOPED[size]:
+        B, d, n, T = (shape[key] for key in ("B", "d", "n", "T"))
+        D = d + 1
+
+        def inputs(dtype, dev, seed, B=B, D=D, n=n, T=T):
+            g = _gen(seed, dev)  # the module's prompts: z0 = [0, alpha]; weights near the construction, steps that
+            E = _randn(g, B, n, D, dtype=torch.float64, device=dev)  # keep every loop a contraction
+            G = E.mT @ E
+            eye = torch.eye(D, dtype=torch.float64, device=dev)
+            weights = [(eye + _randn(g, D, D, dtype=torch.float64, device=dev, scale=0.1)) for _ in range(2)]
+            z0 = torch.zeros(B, D, dtype=torch.float64, device=dev)
+            z0[:, -1] = 1.0
+            eta = 0.5 / torch.linalg.eigvalsh(G).amax() * (0.5 + torch.rand(T, generator=g, dtype=torch.float64,
+                                                                             device=g.device).to(dev))
+            return {"G": G.to(dtype), "z0": z0.to(dtype), "Q": weights[0].to(dtype).requires_grad_(True),
+                    "P": weights[1].to(dtype).requires_grad_(True), "eta": eta.to(dtype).requires_grad_(True),
+                    "g": _randn(g, B, T + 1, D, dtype=dtype, device=dev)}
+
+        # FLOPs a prompt needs (docs/performance.md): Q G P twice (forward, backward) 8 D^3, the loops 2 T D^2 and
+        # the adjoint's three products 6 T D^2, dQ and dP 4 D^3; no dot for tensor cores (D <= 64, a U per prompt):
+        # the FMA units, so the case carries no TF32 variant. Bytes: G read, Z written, dL/dZ read (float32).
+        gflop = B * (12 * D ** 3 + 8 * T * D ** 2) / 1e9
+        cases.append(Case("looped_linear_attention", f"B={B} d={d} n={n} T={T}, {gflop:.3g} GFLOP",
+                          _variants(looped_eager, looped_linear_attention_reference, looped_featlearn, device,
+                                    _compile(size, "looped_linear_attention"), dots=False),
+                          inputs, looped_eager, bytes=4 * (B * D * D + 2 * B * (T + 1) * D + 3 * D * D + 2 * T)))
+    return cases
+
+
 def cases(ops: list[str], size: str, device: torch.device) -> list[Case]:
     """The cases of ``ops`` at ``size``, in the order of ``ops``."""
     build = {"patch_activation_sum": lambda: [patch_case(size, device)],
@@ -425,5 +477,6 @@ def cases(ops: list[str], size: str, device: torch.device) -> list[Case]:
              "infonce_stopgrad": lambda: [infonce_case(size, device)],
              "masked_attention": lambda: attn_cases(size, device),
              "smoothed_clamp": lambda: [clamp_case(size, device)],
-             "modular_power_mlp": lambda: modpow_cases(size, device)}
+             "modular_power_mlp": lambda: modpow_cases(size, device),
+             "looped_linear_attention": lambda: looped_cases(size, device)}
     return [case for op in ops for case in build[op]()]

@@ -5,7 +5,7 @@ kernel has none.
 
 Example:
     >>> sorted(cases())
-    ['bn_cosine_loss', 'masked_attention', 'modular_power_mlp', 'patch_activation_sum', 'smoothed_clamp', 'soft_threshold']
+    ['bn_cosine_loss', 'looped_linear_attention', 'masked_attention', 'modular_power_mlp', 'patch_activation_sum', 'smoothed_clamp', 'soft_threshold']
     >>> cases()["soft_threshold"][0][0]
     'contrastive-medium/fp32-ieee'
 """
@@ -72,6 +72,14 @@ def _modpow(B, k, p, m, dtype, precision):
                       input_precision=precision).sum().backward()
 
 
+def _looped(B, D, T, dtype):
+    from featlearn.kernels import looped_linear_attention
+
+    looped_linear_attention(_t(B, D, D, dtype=dtype), _t(B, D, dtype=dtype), _t(D, D, dtype=dtype, grad=True),
+                            _t(D, D, dtype=dtype, grad=True), _t(T, dtype=dtype, grad=True),
+                            backend="triton").sum().backward()
+
+
 def cases() -> dict:
     """op -> [(case name, call)]: sizes from the methods' configs. Each kernel is built in every
     precision at its method's main size, and in the precisions its methods run at the other sizes (a size
@@ -121,4 +129,10 @@ def cases() -> dict:
                                     (f"noncontrastive-l2/{label}", p(_bn_cosine, 8192, 2, dtype, "l2")),
                                     (f"wide-bn-no-stopgrad/{label}", p(_bn_cosine, 8192, 64, dtype, "bn", False)),
                                     (f"wide-l2-no-stopgrad/{label}", p(_bn_cosine, 8193, 64, dtype, "l2", False))]
+        # dissertation ch. 8: 4096 prompts at d = 4, 15 and 20 (D = d + 1: U tiles of 8, 16 and 32; D = 16 aligned) over
+        # T = 200 loops, and the largest D the Triton path takes (64: one prompt per program)
+        cases["looped_linear_attention"] += [(f"ch8-d4/{label}", p(_looped, 4096, 5, 200, dtype)),
+                                             (f"ch8-d15/{label}", p(_looped, 4096, 16, 200, dtype)),
+                                             (f"ch8-d20/{label}", p(_looped, 4096, 21, 200, dtype)),
+                                             (f"max-dim/{label}", p(_looped, 1024, 64, 10, dtype))]
     return dict(cases)

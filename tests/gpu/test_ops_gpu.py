@@ -1,6 +1,7 @@
 """Every op of ``featlearn.kernels`` with a Triton path, through ``backend="triton"``, against its float64
 reference: soft_threshold_layer, smoothed_clamp_layer (s > 0, and s = 0: the truncated ReLU, another
-compiled epilogue), patch_activation_sum, masked_attention, bn_cosine_loss (bn, with bn_column_stats; l2).
+compiled epilogue), patch_activation_sum, masked_attention, bn_cosine_loss (bn, with bn_column_stats; l2),
+modular_power_mlp, looped_linear_attention.
 ``infonce`` (infonce_stopgrad, infonce_grad_closed_form) has no Triton path, only PyTorch: nothing to compile.
 
 A case: fresh random inputs (seeded by the test id) rounded to the run's dtype; the op with every output
@@ -246,6 +247,35 @@ OPS_MODPOW = Op("modular_power_mlp", _modpow_make,
                 {"odd": ((1031, 3, 23, 355), (7, 3, 5, 19)), "medium": ((1024, 4, 47, 2944), (17, 2, 7, 21)),
                  "large": ((4096, 5, 23, 5632), (5, 4, 3, 18))}, 1)
 
+# ---------------------------------------------------------------------------------------------------
+# looped_linear_attention: G [B, D, D], z0 [B, D], Q, P [D, D], eta [T] -> Z [B, T + 1, D]
+# ---------------------------------------------------------------------------------------------------
+def _looped_make(shape, size, gen, dtype):
+    B, D, T = shape
+    E = torch.randn(B, 2 * D, D, generator=gen, device=gen.device, dtype=F64)  # n = 2D examples a prompt
+    G = (E.mT @ E).to(dtype).double()
+    eye = torch.eye(D, device=gen.device, dtype=F64)
+    # weights near the construction (Q = P = I) and steps under 1 / lambda_max: the loops contract
+    eta = (0.5 / torch.linalg.eigvalsh(G).amax() * _rand(gen, F64, T, low=0.5, high=1.0)).to(dtype).double()
+    inputs = {"G": G, "z0": _randn(gen, dtype, B, D), "Q": (eye + _randn(gen, F64, D, D, scale=0.1)).to(dtype).double(),
+              "P": (eye + _randn(gen, F64, D, D, scale=0.1)).to(dtype).double(), "eta": eta}
+    return inputs, ("G", "z0", "Q", "P", "eta"), {"G", "z0"}
+
+
+def _looped_args(i):
+    return i["G"], i["z0"], i["Q"], i["P"], i["eta"]
+
+
+OPS_LOOPED = Op("looped_linear_attention", _looped_make,
+                lambda i, p: {"Z": K.looped_linear_attention(*_looped_args(i), backend="triton")},
+                lambda i: {"Z": K.looped_linear_attention_reference(*_looped_args(i))},
+                lambda i, gen: {"Z": torch.randn(*i["z0"].shape[:1], len(i["eta"]) + 1, i["z0"].shape[1],
+                                                 generator=gen, device=gen.device, dtype=F64)},
+                # (B, D, T): odd, the chapter's d = 4 and d = 20 at 4096 prompts and 200 loops, and the largest D
+                # (dry: D <= 16, the interpreter's tile)
+                {"odd": ((1031, 7, 37), (5, 3, 4)), "medium": ((4096, 5, 200), (3, 5, 6)),
+                 "large": ((4096, 21, 200), (3, 9, 3)), "largest": ((1024, 64, 10), (2, 16, 2))}, 1, dots=False)
+
 OPS = [
     _layer_op("soft_threshold", K.soft_threshold_layer, K.soft_threshold_reference, (-0.3, 0.7), 1.0,
               lambda b: (b, -b)),  # b < 0 too: the learned-bias ablation's formula
@@ -270,6 +300,7 @@ OPS = [
     _bn_op("bn"),
     _bn_op("l2"),
     OPS_MODPOW,
+    OPS_LOOPED,
 ]
 
 
@@ -316,7 +347,7 @@ def test_every_triton_op_has_a_case(gpu_device):
     with_backend = {n for n in K.__all__ if inspect.isfunction(inspect.unwrap(getattr(K, n)))
                     and "backend" in inspect.signature(getattr(K, n)).parameters}
     assert with_backend == {"soft_threshold_layer", "smoothed_clamp_layer", "patch_activation_sum", "masked_attention",
-                            "bn_cosine_loss", "bn_column_stats", "modular_power_mlp"}
+                            "bn_cosine_loss", "bn_column_stats", "modular_power_mlp", "looped_linear_attention"}
 
 
 @pytest.mark.parametrize("op,size,precision", list(_cases()))
