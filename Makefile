@@ -24,7 +24,7 @@ else
 INSTALL_TORCH := $(PY) -m pip install -q torch==2.13.0+cpu || $(PY) -m pip install -q torch==2.13.0+cpu --index-url $(TORCH_CPU_INDEX)
 endif
 
-.PHONY: experiment test test-fast test-all docs compile-check triton36-check gpu-tests-dry contrastive noncontrastive vit two-layer universality modular-addition looped-transformer icl-scale large-k profile bench tensorboard clean
+.PHONY: experiment test test-fast test-all docs compile-check triton36-check gpu-tests-dry contrastive noncontrastive vit two-layer universality modular-addition looped-transformer icl-scale gradient-features large-k profile bench tensorboard clean
 
 experiment: $(STAMP)  ## the main job: MRP pretrain -> fine-tune vs supervised learning, seed 0 only, lr grid
 	$(PY) -m featlearn.experiments.mrp --grid --out runs/mrp
@@ -71,6 +71,9 @@ modular-addition: $(STAMP)  ## Shi's dissertation ch. 4: Fourier neurons of the 
 looped-transformer: $(STAMP)  ## Shi's dissertation ch. 8: Fig. 8.1 (the hand-built loop) and a looped transformer trained from scratch
 	$(PY) -m featlearn.experiments.looped_transformer --seed 0 1 2 --out runs/looped_transformer
 	$(PY) -m featlearn.experiments.looped_transformer_trained --seed 0 1 2 --out runs/looped_transformer_trained
+
+gradient-features: $(STAMP)  ## Shi's dissertation ch. 3: the network vs random features and the NTK on the XOR mixture, d = 32..256
+	$(PY) -m featlearn.experiments.gradient_features --seed 0 1 2 --out runs/gradient_features
 
 icl-scale: $(STAMP)  ## Shi's dissertation ch. 5: rank-r linear attention trained for in-context regression, noise sensitivity
 	$(PY) -m featlearn.experiments.icl_scale --seed 0 1 2 --out runs/icl_scale

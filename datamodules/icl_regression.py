@@ -77,7 +77,8 @@ class ICLRegressionDataModule(SyntheticDataModule):
         ``n = N`` for training, ``M`` otherwise."""
         seed, st = self.seed, self.stream
         n = self.N if split == "train" else self.M
-        x = rng.normal(seed, st(split, _Q_X), index, (n + 1, self.d)) @ self._root
+        z = rng.normal(seed, st(split, _Q_X), index, (n + 1, self.d))
+        x = z @ self._root.to(z.device)  # d x d: moved per batch (a CUDA run draws z on the GPU)
         w = rng.normal(seed, st(split, _Q_W), index, (self.d,))
         y = (x @ w.unsqueeze(-1)).squeeze(-1)
         X, y, y_q = x[:, :n], y[:, :n], y[:, n]

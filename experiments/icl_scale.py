@@ -10,7 +10,8 @@ task on the top eigen-direction (``w = Q e_1``, inside every model's top r), one
 outside all but the full-rank model's) and the training tasks (``w ~ N(0, I)``), beside Theorem 5.4.2's prediction
 for the optimum. The chapter's claims: the evaluation loss grows with sigma^2 at the rate ``tr(V^2 D^2) / M``,
 which grows with r (Theorem 5.4.3: on the top task the larger model loses more, by ``rank_gap``), while on the
-tail task only a model that attends to that direction does better than predicting 0.
+tail task without label noise only a model that attends to that direction does better than predicting 0 (with
+noise every model does worse than 0 there).
 
 Usage::
 
@@ -87,7 +88,7 @@ def table(results: dict, ranks: list[int]) -> str:
 
 def main(argv=None) -> dict:
     parser = experiment_parser(__doc__.split("\n")[0], "runs/icl_scale")
-    parser.add_argument("--ranks", type=checked(int, lambda v: v >= 1, "an integer >= 1"), nargs="+",
+    parser.add_argument("--ranks", type=checked(int, lambda v: 1 <= v <= 16, "an integer in [1, d] = [1, 16]"), nargs="+",
                         default=[1, 2, 4, 8, 16], help="ranks r trained (default 1 2 4 8 16; at most d = 16)")
     parser.add_argument("--steps", type=checked(int, lambda v: v >= 1, "an integer >= 1"), default=3000,
                         help="Adam steps per fit (default 3000)")

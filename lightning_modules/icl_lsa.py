@@ -82,7 +82,9 @@ class LowRankLinearAttention(FeatureLearningModule):
         self.heatmap_scale = float(optimal_scales(dm.eigenvalues, dm.N, d).max())
         self.register_ground_truth("covariance", dm.covariance.float())
         self.register_ground_truth("basis", dm.basis.float())
-        self.register_ground_truth("Gamma_star", (dm.basis @ torch.diag(v) @ dm.basis.T).float())
+        G_star = dm.basis @ torch.diag(v) @ dm.basis.T
+        self.register_ground_truth("Gamma_star", G_star.float())
+        self.oracle_loss = float(population_loss(G_star, dm.covariance, dm.N))  # float64, unrounded
 
     # --- the network -------------------------------------------------------------------------------
     def Gamma(self) -> torch.Tensor:
@@ -120,7 +122,7 @@ class LowRankLinearAttention(FeatureLearningModule):
     def theory(self) -> dict[str, float]:
         """The exact quantities of the current ``Gamma`` against Theorem 5.4.1's optimum (module docstring)."""
         G, G_star, Lam = self.Gamma().detach().double(), self.Gamma_star.double(), self.covariance.double()
-        loss, oracle = float(population_loss(G, Lam, self.N)), float(population_loss(G_star, Lam, self.N))
+        loss, oracle = float(population_loss(G, Lam, self.N)), self.oracle_loss
         return {"population_loss": loss, "oracle_loss": oracle, "excess_loss": (loss - oracle) / oracle,
                 "gamma_error": float((G - G_star).norm() / G_star.norm()),
                 "val_loss": float(expected_loss(G, Lam, self.M, self.sigma)),

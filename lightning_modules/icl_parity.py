@@ -14,8 +14,10 @@ nu2; the ``m`` it needs); ``random`` starts from ``N(0, init_scale^2)`` heads an
 * ``train/loss``; ``val/accuracy`` and ``val/hinge`` on the validation prompts (their task set, examples and
   flipped labels are the DataModule's ``eval_*``).
 * ``theory/diagonal_share``: the share of the heads' energy on the diagonals of ``G^T W_h G`` (1 for the
-  construction: each head reads each feature by itself); ``theory/features_read``: how many features carry at
-  least 10% of the largest feature's weight summed over heads (``d`` for the large construction).
+  construction: each head reads each feature by itself); ``theory/diagonal_rank``: the rank of the heads'
+  diagonals (singular values at least 10% of the largest), the dimension of the in-context noise the model reads
+  (Theorem 5.5.2: ``nu + 1`` for the construction; both constructions touch every feature, the small one through
+  fewer independent patterns).
 * Heat maps: ``diag(G^T W_h G)`` per head (``heatmap/correlation``, head x feature).
 
 Example:
@@ -138,20 +140,20 @@ class MultiHeadParityAttention(FeatureLearningModule):
         V = self.dictionary.T @ self.W.detach() @ self.dictionary
         return float(torch.diagonal(V, dim1=1, dim2=2).square().sum() / V.square().sum().clamp_min(1e-30))
 
-    def features_read(self) -> int:
-        """Features whose summed weight ``sum_h |a_h| |V_h,tt|`` is at least 10% of the largest feature's."""
-        weight = (self.a.detach().abs().unsqueeze(1) * self.head_diagonals().abs()).sum(0)
-        return int((weight >= 0.1 * weight.max()).sum())
+    def diagonal_rank(self) -> int:
+        """The rank of the heads' diagonals ``[m, d]``, counting singular values at least 10% of the largest."""
+        s = torch.linalg.svdvals(self.head_diagonals().double())
+        return int((s >= 0.1 * s.max()).sum())
 
     def on_validation_epoch_end(self) -> None:
         self.log("theory/diagonal_share", self.diagonal_share())
-        self.log("theory/features_read", float(self.features_read()))
+        self.log("theory/diagonal_rank", float(self.diagonal_rank()))
 
     def correlations(self) -> torch.Tensor:
         return self.head_diagonals()
 
     def final_metrics(self) -> dict[str, float]:
-        out = {"diagonal_share": self.diagonal_share(), "features_read": float(self.features_read())}
+        out = {"diagonal_share": self.diagonal_share(), "diagonal_rank": float(self.diagonal_rank())}
         for name in ("val/accuracy", "val/hinge"):
             value = self.logged(name)
             if value is not None:

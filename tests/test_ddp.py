@@ -95,11 +95,11 @@ CASES.update({
                             torch.float32),
     # dissertation ch. 8: fresh prompts per step, each rank its half of the global batch
     "looped_transformer": ("looped_transformer/trained.yaml", ["--data.d", "3", "--data.n", "6"], 16, 16, torch.float32),
-    # dissertation ch. 5: fresh prompts per step, each rank its half of the global batch
-    "icl_lsa": ("icl_scale/regression.yaml", ["--data.d", "4", "--data.N", "8", "--model.rank", "2"], 16, 16,
-                torch.float32),
+    # dissertation ch. 5 and 3: fresh prompts or samples per step, each rank its half of the global batch
+    "icl_lsa": ("icl_scale/regression.yaml", ["--data.d", "4", "--data.N", "8", "--model.rank", "2"], 16, 16, torch.float32),
     "icl_parity": ("icl_scale/parity.yaml", ["--data.d", "4", "--data.N", "8", "--data.p_T", "0.1", "--model.heads", "4"],
                    16, 16, torch.float32),
+    "gradient_features": ("gradient_features/xor.yaml", ["--data.d", "16", "--model.width", "4"], 64, 64, torch.float32),
 })
 DEFAULT = ("contrastive", "contrastive_full_batch", "mrp_teacher_student", "mrp_supervised", "noncontrastive_sample",
            "noncontrastive_population", "vit_mae", "vit_cl", "two_layer", "universality")

@@ -98,7 +98,7 @@ def test_headline_larger_rank_is_more_sensitive_to_label_noise(tmp_path):
                   - expected_loss(small.Gamma().detach().double(), dm.covariance, 8, sigma, w)) for sigma in (0.0, 1.0)]
     predicted = [rank_gap(dm.eigenvalues, torch.eye(6, dtype=torch.float64)[0], sigma, 24, 8, 1, 6) for sigma in (0.0, 1.0)]
     assert gaps[1] > gaps[0] and gaps[1] > 0, gaps
-    # seeds 1-3: 0.303-0.305 against the optimum pair's 0.306
+    # seed 0: 0.300 against the optimum pair's 0.306 (2%); seeds 1-3: 0.303-0.305
     assert gaps[1] - gaps[0] == pytest.approx(predicted[1] - predicted[0], rel=0.05), (gaps, predicted)
 
 

@@ -9,7 +9,7 @@ from featlearn.datamodules.parity_prompts import SparseParityPromptDataModule, t
 from featlearn.errors import ConfigError
 from featlearn.experiments.icl_parity import noise_energy
 from featlearn.lightning_modules.icl_parity import MultiHeadParityAttention
-from featlearn.theory.icl_scale import parity_heads
+from featlearn.theory.icl_scale import parity_heads, parity_output
 
 
 def _signs(dm, batch):
@@ -44,25 +44,52 @@ def test_sampler_matches_its_task_rate_sign_skew_labels_and_flips():
     assert abs(float(flipped) - 0.3) < 0.01 and torch.equal(true[:, 32].float(), v["y_q"])
 
 
-def test_the_constructed_start_is_theorem_5_5_1():
+def test_the_constructed_heads_are_the_chapters_example_and_the_module_reads_them():
+    """Theorem 5.5.1's example (nu2 = 3): V^(1..4) as printed, a = (-1, -1, -1, +1) mirrored; the small model
+    (nu1 = 1) is heads 1, 4, 5, 8 of the large one with the constant head at -nu1 / (4 gamma)."""
+    gamma = 0.2
+    a, V = parity_heads(3, gamma)
+    printed = torch.tensor([[-1, 1, -1, 1, -1, 1, -1, 1], [-1, -1, 1, 1, -1, -1, 1, 1],
+                            [-1, -1, -1, -1, 1, 1, 1, 1], [-3] * 8], dtype=torch.float64) / (4 * gamma)
+    torch.testing.assert_close(V, torch.cat([printed, -printed]), rtol=0, atol=1e-15)
+    assert a.tolist() == [-1, -1, -1, 1] * 2
+    a1, V1 = parity_heads(1, gamma, 8)
+    torch.testing.assert_close(V1[[0, 2]], V[[0, 4]], rtol=0, atol=0)  # the bit head and its mirror
+    torch.testing.assert_close(V1[[1, 3]], torch.stack([printed[3], -printed[3]]) / 3, rtol=0, atol=1e-15)
+    assert a1.tolist() == [-1, 1, -1, 1]
+    # the module reads them through the dictionary: W_h = G diag(V_h) G^T, and its forward is the definition
     dm = SparseParityPromptDataModule(d=8, k=2, N=16, seed=1)
     model = MultiHeadParityAttention(heads=4, init="construction", construction_nu=1).attach(dm)
-    a, V = parity_heads(1, dm.gamma, 8)
-    assert torch.equal(model.a.detach(), a.float())
-    torch.testing.assert_close(model.head_diagonals(), V.float(), atol=1e-5, rtol=0)
+    torch.testing.assert_close(model.head_diagonals(), V1.float(), atol=1e-5, rtol=0)
     assert model.diagonal_share() == pytest.approx(1.0, abs=1e-6)
     b = dm.batch(torch.arange(5), "train")
-    h = torch.einsum("bn,bnd->bd", b["y"], b["X"]) / 16
-    direct = sum(a[k] * torch.relu(h.double() @ (dm.dictionary * V[k]) @ dm.dictionary.T @ b["x_q"].double().T).diagonal()
-                 for k in range(4))
+    h = torch.einsum("bn,bnd->bd", b["y"], b["X"]).double() / 16
+    direct = torch.stack([sum(a1[k] * torch.relu(h[p] @ dm.dictionary @ torch.diag(V1[k]) @ dm.dictionary.T
+                                                 @ b["x_q"][p].double()) for k in range(4)) for p in range(5)])
     torch.testing.assert_close(model(b).double(), direct, atol=1e-4, rtol=1e-4)
+
+
+def test_small_construction_classifies_the_important_pairs_with_margin_one():
+    # population margins (N -> infinity): 1 on every important pair and sign pattern
+    gamma, phi_i, phi_j = 0.2, torch.tensor([1.0, 1, -1, -1]), torch.tensor([1.0, -1, 1, -1])
+    a, V = parity_heads(1, gamma, 8)
+    S1, S2 = task_sets(8, 2)
+    margins = lambda pairs: torch.stack([phi_i * phi_j * parity_output(a, V.float(), i, j, phi_i, phi_j, gamma)
+                                         for i, j in pairs.tolist()])
+    assert float(margins(S1).min()) == pytest.approx(1.0, abs=1e-6)
+    # of the other pairs it classifies exactly those whose features differ in its one bit head's bit
+    solved = (margins(S2) >= 1 - 1e-6).all(1)
+    assert torch.equal(solved, ((S2[:, 0] ^ S2[:, 1]) & 1) == 1) and float(margins(S2).min()) <= 0.0
 
 
 def test_theorem_5_5_2_noise_energy_ratio():
     small = MultiHeadParityAttention(heads=4, init="construction", construction_nu=1).attach(SparseParityPromptDataModule())
     large = MultiHeadParityAttention(heads=8, init="construction", construction_nu=3).attach(SparseParityPromptDataModule())
+    # E ||P_D Xi||^2 = rank(D) / M: exactly nu + 1 = 2 and 4 independent diagonals
+    assert (small.diagonal_rank(), large.diagonal_rank()) == (2, 4)
+    assert int(torch.linalg.matrix_rank(small.head_diagonals().double())) == 2
     ratio = noise_energy(small.head_diagonals(), 64) / noise_energy(large.head_diagonals(), 64)
-    assert ratio == pytest.approx(2 / 4, abs=0.03)  # (nu1 + 1) / (nu2 + 1); Monte Carlo, 20000 draws
+    assert ratio == pytest.approx(2 / 4, abs=0.03)  # (nu1 + 1) / (nu2 + 1), by Monte Carlo over the signs
 
 
 def _accuracy(nu: int, tasks: str, M: int, flip: float) -> float:

@@ -1,15 +1,16 @@
 """Ch. 5's closed forms (featlearn.theory.icl_scale) against what they claim: the population loss against Monte Carlo
 of the attention's prediction, Theorem 5.4.1's rank-r optimum against brute-force minimisation over rank-r
 factorisations, Theorem 5.4.2's evaluation loss against Monte Carlo with label noise, Theorem 5.4.3's gap against
-the difference of two evaluation losses; bad values refused naming the field."""
+the difference of two evaluation losses; expected_loss (any Gamma and task) against Theorem 5.4.2, the population
+loss and Monte Carlo; bad values refused naming the field."""
 import math
 
 import pytest
 import torch
 
 from featlearn.errors import ConfigError
-from featlearn.theory.icl_scale import (evaluation_loss, lsa_prediction, optimal_attention, optimal_scales,
-                                        parity_heads, parity_output, population_loss, rank_gap)
+from featlearn.theory.icl_scale import (evaluation_loss, expected_loss, lsa_prediction, optimal_attention,
+                                        optimal_scales, parity_heads, parity_output, population_loss, rank_gap)
 
 
 def _spectrum(d: int, seed: int):
@@ -138,3 +139,43 @@ def test_theorem_5_5_1_heads_classify_their_pairs_with_margin_one(gamma):
 def test_bad_values_are_refused_naming_the_field(call, field):
     with pytest.raises(ConfigError, match=f"^{field}:"):
         call(torch.tensor([3.0, 2.0, 1.0], dtype=torch.float64))
+
+
+
+def _covariance(d: int, seed: int):
+    Q, lam, _ = _spectrum(d, seed)
+    return Q, lam, Q @ torch.diag(lam) @ Q.T
+
+
+@pytest.mark.parametrize("sigma", [0.0, 0.7])
+def test_expected_loss_is_theorem_5_4_2_on_the_optimum_and_the_population_loss_at_m_equals_n(sigma):
+    Q, lam, Lam = _covariance(6, 1)
+    v = optimal_scales(lam, N=20, r=3)
+    s = torch.tensor([1.0, -2.0, 0.5, 0, 0, 0], dtype=torch.float64)
+    xi = torch.tensor([0, 0, 0, 0.3, -1.0, 2.0], dtype=torch.float64)
+    got = expected_loss(Q @ torch.diag(v) @ Q.T, Lam, 7, sigma, Q @ (s + xi))
+    assert float(got) == pytest.approx(evaluation_loss(lam, v, s, xi, sigma, 7), rel=1e-12)
+    Gamma = torch.randn(6, 6, generator=torch.Generator().manual_seed(2), dtype=torch.float64)  # not symmetric
+    assert float(expected_loss(Gamma, Lam, 20)) == pytest.approx(float(population_loss(Gamma, Lam, 20)), rel=1e-12)
+
+
+def test_expected_loss_matches_monte_carlo_for_a_task_and_any_gamma():
+    Q, lam, Lam = _covariance(5, 3)
+    g = torch.Generator().manual_seed(4)
+    Gamma = torch.randn(5, 5, generator=g, dtype=torch.float64)  # not symmetric
+    w, M, sigma, B = torch.randn(5, generator=g, dtype=torch.float64), 6, 0.5, 400000
+    x = torch.randn(B, M + 1, 5, generator=g, dtype=torch.float64) @ (Q * lam.sqrt()).T
+    y = x @ w
+    noisy = y[:, :M] + sigma * torch.randn(B, M, generator=g, dtype=torch.float64)
+    h = torch.einsum("bn,bnd->bd", noisy, x[:, :M]) / M
+    err = (torch.einsum("bd,de,be->b", h, Gamma, x[:, M]) - y[:, M]).square()
+    exact = float(expected_loss(Gamma, Lam, M, sigma, w))
+    assert abs(float(err.mean()) - exact) < 4 * float(err.std()) / B ** 0.5, (float(err.mean()), exact)
+
+
+def test_expected_loss_refuses_bad_inputs():
+    _, _, Lam = _covariance(3, 0)
+    with pytest.raises(ConfigError, match="Lambda"):
+        expected_loss(torch.eye(3, dtype=torch.float64), -Lam, 4)
+    with pytest.raises(ConfigError, match="sigma"):
+        expected_loss(torch.eye(3, dtype=torch.float64), Lam, 4, -1.0)

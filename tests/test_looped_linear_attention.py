@@ -65,6 +65,17 @@ def test_forward_backward_vs_float64(poisoned, backend, shape, seed, dtype):
     assert max(errors.values()) < TOL[dtype], errors
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("D", [3, 9])  # 9: padded to a 16-wide tile
+def test_non_symmetric_G(poisoned, backend, D):
+    """The op takes any G (not only Gram matrices): a G / G^T mix-up in the forward or the backward fails here."""
+    ins, grad = _inputs(30 + D, 5, D, 4)
+    ins["G"] = ins["G"] + 0.5 * torch.randn(5, D, D, generator=torch.Generator().manual_seed(D), dtype=torch.float64)
+    assert (ins["G"] - ins["G"].mT).abs().max() > 0.1
+    errors = _compare(backend, torch.float64, ins, grad)
+    assert max(errors.values()) < TOL[torch.float64], errors
+
+
 @pytest.mark.parametrize("need", [("Q", "P", "eta"), ("eta",), ("G", "z0"), ()])
 def test_triton_partial_gradients(poisoned, need):
     # ("Q", "P", "eta"): what the module differentiates; (): a forward with nothing to differentiate

@@ -35,7 +35,7 @@ import pytest
 import torch
 import yaml
 
-from tiny_sizes import HIDDEN, ICL, ICL_PARITY, LOOPED, MODADD, MRP, PARITY, PATCHES, SPARSE, TRANSFORMER, VIT, over
+from tiny_sizes import HIDDEN, ICL, ICL_PARITY, LOOPED, XOR, MODADD, MRP, PARITY, PATCHES, SPARSE, TRANSFORMER, VIT, over
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
@@ -72,6 +72,7 @@ METHODS = {
                            HEATMAP + ("heatmap/Q", "heatmap/P")),
     "icl_lsa": ("icl_scale/regression.yaml", ICL, "train/loss", "lr", HEATMAP),
     "icl_parity": ("icl_scale/parity.yaml", ICL_PARITY, "train/loss", "lr", HEATMAP),
+    "gradient_features": ("gradient_features/xor.yaml", XOR, "train/loss", "lr", HEATMAP),
 }
 
 

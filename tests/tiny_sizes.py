@@ -18,5 +18,6 @@ HIDDEN = over(dict(T=2, s=2, r=4, u=2, batch_size=32, num_test=16), dict(probe_r
 MODADD = over(dict(k=3, p=5, batch_size=16), dict(width=12))
 TRANSFORMER = over(dict(k=2, p=7, batch_size=8), dict(heads=2, hidden=16, head_dim=4, mlp_hidden=32, dropout=0.0))
 ICL_PARITY = over(dict(d=4, k=2, N=8, p_T=0.1, batch_size=16, num_val=32, num_test=32), dict(heads=4))
+XOR = over(dict(d=16, batch_size=64, num_val=64, num_test=64), dict(width=4))
 ICL = over(dict(d=4, N=8, batch_size=16, num_val=32, num_test=32, eval_examples=6), dict(rank=2))
 LOOPED = over(dict(d=3, n=6, batch_size=16, num_val=32, num_test=32), dict(loops=3))

@@ -72,7 +72,12 @@ def expected_loss(Gamma: torch.Tensor, Lambda: torch.Tensor, M: int, sigma: floa
     w^T Lambda Gamma^T Lambda w + ||w||^2_Lambda``. At ``sigma = 0``, ``M = N`` and ``w`` averaged it is
     :func:`population_loss`; for ``Gamma = Q diag(v) Q^T`` and ``w = Q (s + xi)``, Theorem 5.4.2's
     :func:`evaluation_loss`. Differentiable in ``Gamma``."""
-    _check(torch.linalg.eigvalsh(Lambda).flip(0).clamp_min(1e-300), sigma=sigma)
+    if not bool((torch.linalg.eigvalsh(Lambda) > 0).all()):
+        raise ConfigError("Lambda", "a positive definite covariance", "eigenvalues " + str(torch.linalg.eigvalsh(Lambda).tolist()))
+    if not M >= 1:
+        raise ConfigError("M", "at least 1 example per prompt", M)
+    if not sigma >= 0:
+        raise ConfigError("sigma", "a noise standard deviation >= 0", sigma)
     if w is None:
         outer, energy = Lambda @ Lambda, torch.trace(Lambda)  # E w w^T = I
     else:
