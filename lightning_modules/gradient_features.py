@@ -103,6 +103,7 @@ class GradientFeatureNetwork(FeatureLearningModule):
         first = simplified_gradients(W[:2 * m], self.b[:2 * m], data["x"], data["y"]).norm(dim=1) * a[:2 * m].abs()
         self.eta1 = hp.step1_scale * self.b_tilde / (math.sqrt(d) * max(float(first.median()), 1e-30))
         self.nice_fraction: list[float] | None = None  # per bias sign, after step 1
+        self.W_first: torch.Tensor | None = None  # the first layer after step 1
 
     # --- the network -------------------------------------------------------------------------------
     def weights(self) -> torch.Tensor:
@@ -138,6 +139,7 @@ class GradientFeatureNetwork(FeatureLearningModule):
     def finish_step(self, step: int) -> None:
         if self.first_step(step):  # Lemma 3.13 after step 1: nice neurons per signed direction and bias sign
             m, signed = self.hparams.width, torch.cat([self.directions, -self.directions])
+            self.W_first = self.W.detach().clone()  # for the lottery ticket (Lemma 3.14), read by the experiment
             scale = self.eta1 * self.a_start  # |eta^(1) l'(0) a_i^(0)|, l'(0) = -1 (hinge)
             self.nice_fraction = [float(nice_counts(self.W.detach()[part], scale[part], signed, self.hparams.gamma,
                                                     self.B_G).min()) / m

@@ -11,7 +11,8 @@ from featlearn.cli import make_cli
 from featlearn.datamodules.xor_mixture import XORMixtureDataModule, default_sigma
 from featlearn.errors import ConfigError
 from featlearn.lightning_modules.gradient_features import GradientFeatureNetwork
-from featlearn.theory.gradient_features import feature_probability, nice_counts, simplified_gradients
+from featlearn.theory.gradient_features import (feature_probability, nice_counts, simplified_gradients,
+                                                sparsest_readout)
 
 
 def test_sampler_matches_its_centres_labels_and_noise():
@@ -73,6 +74,21 @@ def test_cone_probability_and_nice_counts_on_planted_gradients():
     signed = torch.cat([D, -D])
     assert nice_counts(G, torch.ones(4), signed, 0.1, 0.5).tolist() == [1, 0, 0, 1]
     assert nice_counts(G, torch.full((4,), 10.0), signed, 0.1, 0.5).tolist() == [0, 0, 0, 0]
+
+
+def test_sparsest_readout_finds_the_planted_ticket():
+    # the label is the XOR of two signs, sign(a b), which the four ReLU features relu(+-a +- b) separate exactly
+    # (|a + b| > |a - b|); 8 noise features follow. Best first, the ticket is those four; reversed, all 12
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(4000, 16, generator=g)
+    y = torch.sign(z[:, 3] * z[:, 7])
+    h = torch.cat([torch.relu(z[:, 3:4] + z[:, 7:8]), torch.relu(-z[:, 3:4] - z[:, 7:8]),
+                   torch.relu(z[:, 3:4] - z[:, 7:8]), torch.relu(z[:, 7:8] - z[:, 3:4]), z[:, 8:]], 1)
+    good = torch.arange(12)
+    size, err, full = sparsest_readout(h[:2000], y[:2000], h[2000:], y[2000:], good)
+    assert size == 4 and err <= full + 0.01 and full < 0.25, (size, err, full)
+    size, _, _ = sparsest_readout(h[:2000], y[:2000], h[2000:], y[2000:], good.flip(0))
+    assert size == 12
 
 
 def _fit(features: str, tmp_path) -> GradientFeatureNetwork:

@@ -58,3 +58,24 @@ def nice_counts(W1: torch.Tensor, scale: torch.Tensor, directions: torch.Tensor,
     a^(0)|``): ``[J]``."""
     inside = cone_cosines(W1, directions) > 1 - gamma
     return (inside & (W1.norm(dim=1, keepdim=True) >= scale.unsqueeze(1) * B_G)).sum(0)
+
+
+def sparsest_readout(h_fit: torch.Tensor, y_fit: torch.Tensor, h_test: torch.Tensor, y_test: torch.Tensor,
+                     order: torch.Tensor, slack: float = 0.01) -> tuple[int, float, float]:
+    """The lottery ticket after step 1 (Lemma 3.14): the fewest neurons, taken in ``order`` (best first), whose
+    readout (the L2-SVM of :func:`~featlearn.theory.two_layer.best_linear_classifier` on ``h_fit``) has a test error
+    within ``slack`` of the readout on all of them. Returns ``(size, its error, the full readout's error)``; sizes
+    tried: powers of two, then all."""
+    from featlearn.theory.two_layer import best_linear_classifier
+
+    def error(columns: torch.Tensor) -> float:
+        a = best_linear_classifier(h_fit[:, columns], y_fit, ridge=1e-6)
+        return float(((h_test[:, columns].double() @ a) * y_test.double() <= 0).double().mean())
+
+    full = error(order)
+    sizes = [2 ** k for k in range(int(math.log2(len(order))) + 1) if 2 ** k < len(order)] + [len(order)]
+    for size in sizes:
+        err = error(order[:size])
+        if err <= full + slack:
+            return size, err, full
+    return len(order), full, full
