@@ -6,6 +6,7 @@ from featlearn.callbacks.divergence import DivergenceGuard
 from featlearn.callbacks.heatmap import HeatmapLogger
 from featlearn.callbacks.profiling import StepProfiler
 from featlearn.callbacks.progress import StepProgressBar
+from featlearn.callbacks.spectrum import RepresentationSpectrum
 
-__all__ = ["DivergenceGuard", "FinalCheckpoint", "HeatmapLogger", "KeepBestOnValidation", "StepProfiler",
-           "StepProgressBar"]
+__all__ = ["DivergenceGuard", "FinalCheckpoint", "HeatmapLogger", "KeepBestOnValidation", "RepresentationSpectrum",
+           "StepProfiler", "StepProgressBar"]

@@ -9,7 +9,8 @@ Usage:
     featlearn gpu compile|check|wheels ...                                   # featlearn/gpu
 
 Every run gets a :class:`~featlearn.callbacks.DivergenceGuard`, a
-:class:`~featlearn.callbacks.HeatmapLogger` (``--heatmap.every_n_steps``) and a
+:class:`~featlearn.callbacks.HeatmapLogger` (``--heatmap.every_n_steps``), a
+:class:`~featlearn.callbacks.RepresentationSpectrum` (``--spectrum.every_n_steps``; 0: off) and a
 :class:`~featlearn.callbacks.FinalCheckpoint` that keeps ``last.ckpt``, the final state (``--checkpoint.*``);
 TensorBoard is the default logger. ``--seeds '[0, 1, 2]'`` trains several seeds in one run
 (:mod:`featlearn.lightning_modules.seeds`). A config value outside
@@ -27,7 +28,7 @@ from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from lightning.fabric.utilities.seed import seed_everything
 
-from featlearn.callbacks import DivergenceGuard, FinalCheckpoint, HeatmapLogger, StepProgressBar
+from featlearn.callbacks import DivergenceGuard, FinalCheckpoint, HeatmapLogger, RepresentationSpectrum, StepProgressBar
 from featlearn.checkpoints import check_fits, class_path, read_checkpoint
 from featlearn.datamodules.base import SyntheticDataModule
 from featlearn.datamodules.seeds import SeedStackDataModule
@@ -57,6 +58,7 @@ class FeatlearnCLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
         parser.add_lightning_class_args(DivergenceGuard, "divergence")
         parser.add_lightning_class_args(HeatmapLogger, "heatmap")
+        parser.add_lightning_class_args(RepresentationSpectrum, "spectrum")
         parser.add_lightning_class_args(FinalCheckpoint, "checkpoint")
         parser.add_argument("--seeds", type=list[int] | None, default=None,
                             help="train these seeds together in one run, each as --seed_everything s "

@@ -81,6 +81,10 @@ class MultiViewEncoder(FeatureLearningModule):
         return patch_activation_sum(x, self.weight, self.activation, backend=self.backend, input_precision="ieee",
                                     **kwargs)
 
+    def representation(self, batch: dict) -> torch.Tensor:
+        """The patch sums of the batch's inputs (:class:`~featlearn.callbacks.RepresentationSpectrum` logs their rank)."""
+        return self.encode(batch["x"]).student
+
     def correlations(self) -> torch.Tensor:
         return self.weight.detach() @ self.features.T
 

@@ -276,6 +276,10 @@ class NonContrastiveModule(FeatureLearningModule):
         return out
 
     # --- Lightning hooks ------------------------------------------------------------------------
+    def representation(self, batch: dict) -> torch.Tensor:
+        """The encoder's output on the batch's whole inputs (:class:`~featlearn.callbacks.RepresentationSpectrum`)."""
+        return encode(batch["x"], self.w.detach(), None, self.backend)
+
     def seed_loss(self, batch) -> torch.Tensor:
         """The step's training loss, a pure function of the weights and the batch (what
         :class:`~featlearn.lightning_modules.seeds.SeedStack` runs once for all seeds through ``vmap``)."""

@@ -186,6 +186,10 @@ class LinearContrastive(FeatureLearningModule):
         """``phi(x) = W x`` for inputs ``[.., d]``."""
         return x @ self.w.t()
 
+    def representation(self, batch: dict) -> torch.Tensor:
+        """``phi(x)`` of the batch's inputs (:class:`~featlearn.callbacks.RepresentationSpectrum` logs its rank)."""
+        return self(batch["x"])
+
     @property
     def seeds_vmap(self) -> bool:
         """On one process the loss is plain torch ops (several processes gather the batch, which vmap cannot)."""

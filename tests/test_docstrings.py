@@ -9,7 +9,7 @@ MODULES = ["featlearn.kernels.registry", "featlearn.datamodules.modular_addition
            "featlearn.lightning_modules.icl_lsa", "featlearn.experiments.icl_scale", "featlearn.datamodules.parity_prompts",
            "featlearn.lightning_modules.icl_parity", "featlearn.experiments.icl_parity", "featlearn.datamodules.xor_mixture",
            "featlearn.theory.gradient_features", "featlearn.lightning_modules.gradient_features",
-           "featlearn.experiments.gradient_features",
+           "featlearn.experiments.gradient_features", "featlearn.metrics.spectrum",
            "featlearn.lightning_modules.modular_addition", "featlearn.lightning_modules.modular_transformer",
            "featlearn.lightning_modules.modular_base",
            "featlearn.kernels.modular_power_mlp", "featlearn.kernels.looped_linear_attention",

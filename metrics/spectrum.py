@@ -1,0 +1,61 @@
+"""The spectrum of a representation: how many directions a batch of features uses, and the nuclear norm as a
+loss term any method can add (Shi 2024, Ch. 6 = Shi, Ming, Fan, Sala, Liang, "Domain Generalization via Nuclear
+Norm Regularization", CPAL 2024, arXiv:2303.07527: ERM plus ``lambda`` times the nuclear norm of the batch's
+features).
+
+A representation that collapses (to one direction, or to a few) shows it first in its spectrum: the stable rank
+``||F||_F^2 / ||F||_2^2`` and the effective rank ``exp(H(s / sum s))`` (Roy and Vetterli 2007; ``s`` the singular
+values) of the centred feature matrix ``F`` ``[n, m]`` fall towards 1.
+
+Example:
+    >>> F = torch.tensor([[1.0, 0.0], [-1.0, 0.0], [0.0, 2.0], [0.0, -2.0]])
+    >>> round(stable_rank(F), 4), round(effective_rank(F), 4), round(float(nuclear_norm(F)), 4)
+    (1.25, 1.8899, 4.2426)
+"""
+from __future__ import annotations
+
+import torch
+
+__all__ = ["centred_singular_values", "stable_rank", "effective_rank", "nuclear_norm"]
+
+
+def centred_singular_values(F: torch.Tensor) -> torch.Tensor:
+    """Singular values of ``F - mean(F)`` ``[n, m]`` in float64, largest first."""
+    F = F.detach().double()
+    return torch.linalg.svdvals(F - F.mean(0, keepdim=True))
+
+
+def stable_rank(F: torch.Tensor) -> float:
+    """``||F||_F^2 / ||F||_2^2`` of the centred features (1 for one direction, m for an isotropic cloud)."""
+    s = centred_singular_values(F)
+    return float((s.square().sum() / s[0].square()).nan_to_num(0.0)) if len(s) and s[0] > 0 else 0.0
+
+
+def effective_rank(F: torch.Tensor) -> float:
+    """``exp`` of the entropy of the normalised singular values of the centred features."""
+    s = centred_singular_values(F)
+    if not len(s) or s.sum() <= 0:
+        return 0.0
+    p = s / s.sum()
+    p = p[p > 0]
+    return float(torch.exp(-(p * p.log()).sum()))
+
+
+class _NuclearNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, F):
+        U, s, Vh = torch.linalg.svd(F, full_matrices=False)
+        ctx.save_for_backward(U, Vh)
+        return s.sum()
+
+    @staticmethod
+    def backward(ctx, grad):
+        U, Vh = ctx.saved_tensors
+        return grad * (U @ Vh)  # the (sub)gradient of sum(s): U V^T, exact where F has full rank
+
+
+def nuclear_norm(F: torch.Tensor) -> torch.Tensor:
+    """``||F||_* = sum of the singular values`` of the features ``F`` ``[n, m]`` (not centred: the chapter's
+    penalty), differentiable: its gradient is ``U V^T`` from one thin SVD (``svdvals``' autograd computes the
+    same, at full rank). Add ``lam * nuclear_norm(features)`` to a loss for ERM-NU."""
+    return _NuclearNorm.apply(F)
