@@ -28,6 +28,8 @@ class RepresentationSpectrum(L.Callback):
         batch = {k: v.to(pl_module.device) for k, v in dm.batch(torch.arange(n), "val").items()}
         with torch.no_grad():
             F = represent(batch)
+        if F is None:  # the method defines no representation
+            return None
         return {"val/stable_rank": stable_rank(F), "val/effective_rank": effective_rank(F)}
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:

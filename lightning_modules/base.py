@@ -68,6 +68,9 @@ class FeatureLearningModule(L.LightningModule):
     finishes_seeds: bool = False
     """Whether :meth:`finish_seeds` does the weight-only part of :meth:`finish_step` for every seed of a stack at
     once (a projection with a leading seed axis); ``finish_step`` then leaves it out when in a stack."""
+    representation_input: str | None = None
+    """The batch key of the inputs whose ``self(batch[key])`` is the method's representation (None: the method
+    has no ``forward`` representation; it may still override :meth:`representation`)."""
     step_size_fields: tuple[str, ...] = ("lr",)
     """The ``__init__`` arguments that set the step size, which a divergence message tells the user to lower."""
     compiled_loss: str | None = None
@@ -147,6 +150,12 @@ class FeatureLearningModule(L.LightningModule):
         # Inside the optimisation step, so every callback (checkpoints included) sees finished steps only.
         with torch.no_grad(), record_function("featlearn.metrics"):  # a phase of `featlearn profile`'s trace
             self.finish_step(self.global_step + 1)  # Lightning counts the step once this hook returns
+
+    def representation(self, batch: dict) -> torch.Tensor | None:
+        """The features ``[n, m]`` of a batch whose spectrum :class:`~featlearn.callbacks.RepresentationSpectrum`
+        logs: ``self(batch[representation_input])``, or None where the method defines none."""
+        key = self.representation_input
+        return None if key is None else self(batch[key])
 
     def adam_cosine(self, lr: float, schedule: str = "cosine"):
         """Adam at ``lr`` on every parameter, annealed to 0 over the run's steps by a cosine (``schedule:

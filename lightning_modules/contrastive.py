@@ -95,7 +95,7 @@ class ContrastiveModule(FeatureLearningModule):
     # normal runs: weight norm up to 17x over 20 steps (stage II from a tiny init), |loss| up to 1.9x
     blowup_factors = {"loss": 100.0, "weight_norm": 1000.0}
     datamodule_class = SparseCodingDataModule
-    compiled_loss = "contrastive_loss"
+    compiled_loss, representation_input = "contrastive_loss", "x"  # f(x), clean inputs: the logged spectrum
 
     def __init__(
         self,

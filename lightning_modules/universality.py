@@ -106,6 +106,7 @@ class LinearContrastive(FeatureLearningModule):
     """
 
     datamodule_class = HiddenRepresentationDataModule
+    representation_input = "x"  # phi(x): the representation whose rank RepresentationSpectrum logs
     compiled_loss = "seed_loss"
     # the projection bounds ||W||_F by sqrt(r) (sqrt(r) + gamma in cr mode): nothing can blow up
     blowup_factors = {"loss": None, "weight_norm": None}
@@ -185,10 +186,6 @@ class LinearContrastive(FeatureLearningModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``phi(x) = W x`` for inputs ``[.., d]``."""
         return x @ self.w.t()
-
-    def representation(self, batch: dict) -> torch.Tensor:
-        """``phi(x)`` of the batch's inputs (:class:`~featlearn.callbacks.RepresentationSpectrum` logs its rank)."""
-        return self(batch["x"])
 
     @property
     def seeds_vmap(self) -> bool:
