@@ -187,9 +187,7 @@ class GlobalLocalPatchDataModule(SyntheticDataModule):
             rows = torch.arange(P) if name == "E" else P + torch.arange(K * N)
             return torch.zeros(len(rows), d, dtype=self.dtype).scatter_(1, rows.unsqueeze(1), 1.0)
         if "basis" not in self._consts.setdefault("cpu", {}):
-            g = rng.global_normal(self.seed, _G_BASIS, (d, d), dtype=torch.float64)
-            q, r = torch.linalg.qr(g)
-            self._consts["cpu"]["basis"] = (q * torch.sign(torch.diagonal(r)).unsqueeze(0)).T  # rows: rotated axes
+            self._consts["cpu"]["basis"] = rng.global_orthonormal(self.seed, _G_BASIS, d, d).T  # rows: rotated axes
         basis = self._consts["cpu"]["basis"]
         return (basis[:P] if name == "E" else basis[P:P + K * N]).to(self.dtype).contiguous()
 

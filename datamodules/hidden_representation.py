@@ -128,8 +128,7 @@ class HiddenRepresentationDataModule(SyntheticDataModule):
     def _build_consts(self) -> dict[str, torch.Tensor]:
         d, zero = self.d, torch.zeros((), dtype=torch.int64)
         if self.dictionary == "haar":
-            q, rr = torch.linalg.qr(rng.global_normal(self.seed, _G_DICT, (d, d), dtype=torch.float64))
-            M = q * torch.sign(torch.diagonal(rr)).unsqueeze(0)  # unique QR: deterministic signs
+            M = rng.global_orthonormal(self.seed, _G_DICT, d, d)
         else:
             M = torch.eye(d, dtype=torch.float64)
         raw = rng.normal(self.seed, _G_LABEL, zero, (self.T, self.r), torch.float64)

@@ -65,8 +65,7 @@ class ICLRegressionDataModule(SyntheticDataModule):
                           out_bytes=4, consts=3 * d * d * 8)
         self.eigenvalues = torch.arange(1, d + 1, dtype=torch.float64) ** -self.decay
         if basis == "random":
-            q, r = torch.linalg.qr(rng.global_normal(self.seed, _G_BASIS, (d, d), dtype=torch.float64))
-            self.basis = q * torch.sign(torch.diagonal(r)).unsqueeze(0)  # the QR made unique: signs fixed
+            self.basis = rng.global_orthonormal(self.seed, _G_BASIS, d, d)
         else:
             self.basis = torch.eye(d, dtype=torch.float64)
         self.covariance = self.basis @ torch.diag(self.eigenvalues) @ self.basis.T

@@ -86,18 +86,17 @@ class SparseParityPromptDataModule(SyntheticDataModule):
                           out_bytes=4, consts=d * d * 8)
         self.S1, self.S2 = task_sets(d, k)
         if basis == "random":
-            q, r = torch.linalg.qr(rng.global_normal(self.seed, _G_DICT, (d, d), dtype=torch.float64))
-            self.dictionary = q * torch.sign(torch.diagonal(r)).unsqueeze(0)  # the QR made unique: signs fixed
+            self.dictionary = rng.global_orthonormal(self.seed, _G_DICT, d, d)
         else:
             self.dictionary = torch.eye(d, dtype=torch.float64)
 
     def _tasks(self, index: torch.Tensor, split: str) -> torch.Tensor:
         seed, st = self.seed, self.stream
         S1, S2 = self.S1.to(index.device), self.S2.to(index.device)
+        if split != "train" and self.eval_tasks == "less_important":
+            return S2[rng.randint(seed, st(split, _Q_TASK), index, (), len(S2))]
         one = S1[rng.randint(seed, st(split, _Q_TASK), index, (), len(S1))]
-        if split != "train":
-            return one if self.eval_tasks == "important" else S2[rng.randint(seed, st(split, _Q_TASK), index, (), len(S2))]
-        if self.p_T == 0:
+        if split != "train" or self.p_T == 0:
             return one
         two = S2[rng.randint(seed, st(split, _Q_WHICH), index, (), len(S2))]
         less = rng.uniform(seed, st(split, _Q_WHICH + 10), index) < self.p_T

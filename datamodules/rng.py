@@ -129,6 +129,13 @@ def global_normal(seed: int, stream: int, shape, device=None, dtype=torch.float3
     return normal(seed, stream, index, tuple(shape), dtype)
 
 
+def global_orthonormal(seed: int, stream: int, rows: int, columns: int) -> torch.Tensor:
+    """``[rows, columns]`` float64 with orthonormal columns drawn from :func:`global_normal`: the Q of its QR made
+    unique (a positive R diagonal), so the same on every LAPACK and device."""
+    q, r = torch.linalg.qr(global_normal(seed, stream, (rows, columns), dtype=torch.float64))
+    return q * torch.sign(torch.diagonal(r)).unsqueeze(0)
+
+
 _FEISTEL_ROUNDS = 8  # 4 are far from uniform on the smallest domains (16 values: chi-square 550 for 29 dof)
 
 

@@ -141,9 +141,7 @@ class SparseCodingDataModule(SyntheticDataModule):
     # ------------------------------------------------------------------------------------------
     def _build_consts(self) -> dict[str, torch.Tensor]:
         if self.dictionary == "random":
-            g = rng.global_normal(self.seed, _G_DICT, (self.d1, self.d), dtype=torch.float64)
-            q, r = torch.linalg.qr(g)
-            M = q * torch.sign(torch.diagonal(r)).unsqueeze(0)  # unique QR: deterministic signs
+            M = rng.global_orthonormal(self.seed, _G_DICT, self.d1, self.d)
         else:
             coords = rng.permutation(self.seed, _G_COORD, torch.zeros((), dtype=torch.int64), self.d1)[: self.d]
             M = torch.zeros(self.d1, self.d, dtype=torch.float64)

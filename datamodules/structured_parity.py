@@ -141,9 +141,7 @@ class StructuredParityDataModule(SyntheticDataModule):
 
     # --- ground truth ---------------------------------------------------------------------------
     def _make_dictionary(self) -> tuple[torch.Tensor, torch.Tensor]:
-        g = rng.global_normal(self.seed, _DICT_STREAM, (self.dim, self.num_patterns), dtype=torch.float64)
-        q, r = torch.linalg.qr(g)
-        q = q * torch.sign(torch.diagonal(r))  # the unique Q with a positive R diagonal: same on every LAPACK
+        q = rng.global_orthonormal(self.seed, _DICT_STREAM, self.dim, self.num_patterns)
         if self.labeling == "hypercube_mog":
             relevant = torch.arange(self.k)
         else:

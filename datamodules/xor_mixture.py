@@ -60,8 +60,7 @@ class XORMixtureDataModule(SyntheticDataModule):
         self.d = d
         self.sigma = default_sigma(d) if sigma is None else float(sigma)
         self.check_memory({"d": d}, train_values=d + 2, eval_values=d + 2, out_bytes=4, consts=4 * d * 8)
-        q, r = torch.linalg.qr(rng.global_normal(self.seed, _G_CENTRES, (d, 2), dtype=torch.float64))
-        self.directions = (q * torch.sign(torch.diagonal(r)).unsqueeze(0)).T  # [2, d] orthonormal: D_1, D_3
+        self.directions = rng.global_orthonormal(self.seed, _G_CENTRES, d, 2).T  # [2, d] orthonormal: D_1, D_3
         mu = math.sqrt(d) * self.directions
         self.centres = torch.stack([mu[0], -mu[0], mu[1], -mu[1]])  # float64 [4, d]
 

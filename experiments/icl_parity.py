@@ -108,7 +108,7 @@ def main(argv=None) -> dict:
                     "model.init_args.heads": heads, "data.init_args.p_T": p_T, "trainer.max_steps": args.steps,
                     "trainer.val_check_interval": args.steps, "heatmap.every_n_steps": args.steps})
                 rows[f"trained, {heads} heads, p_T = {p_T:g}"] = list(study.fit_seeds(run, args.seed, evaluate).values())
-    small, large = (rows[f"construction, nu{i} = {n} ({2 * (n + 1)} heads)"] for i, n in ((1, 1), (2, 3)))
+    small, large = rows["construction, nu1 = 1 (4 heads)"], rows["construction, nu2 = 3 (8 heads)"]
     ratio = sum(r["noise_energy"] for r in small) / sum(r["noise_energy"] for r in large)
     notes = (f"d = 8, k = 2, gamma = 0.2, N = 512, seeds {' '.join(map(str, args.seed))}: mean (min-max) over seeds "
              f"(a seed draws the dictionary G and, for trained models, the start). Trained: Adam lr 1e-2 (cosine to 0), "

@@ -131,13 +131,16 @@ class MultiHeadParityAttention(FeatureLearningModule):
         for name, value in self.evaluate(batch).items():
             self.log(f"val/{name}", value, sync_dist=True, batch_size=len(batch["y_q"]))
 
+    def head_matrices(self) -> torch.Tensor:
+        """``V_h = G^T W_h G`` ``[m, d, d]``: the heads in the feature basis (diagonal for the construction)."""
+        return self.dictionary.T @ self.W.detach() @ self.dictionary
+
     def head_diagonals(self) -> torch.Tensor:
-        """``diag(G^T W_h G)`` per head ``[m, d]``: how strongly each head reads each feature by itself."""
-        V = self.dictionary.T @ self.W.detach() @ self.dictionary
-        return torch.diagonal(V, dim1=1, dim2=2)
+        """``diag(V_h)`` per head ``[m, d]``: how strongly each head reads each feature by itself."""
+        return torch.diagonal(self.head_matrices(), dim1=1, dim2=2)
 
     def diagonal_share(self) -> float:
-        V = self.dictionary.T @ self.W.detach() @ self.dictionary
+        V = self.head_matrices()
         return float(torch.diagonal(V, dim1=1, dim2=2).square().sum() / V.square().sum().clamp_min(1e-30))
 
     def diagonal_rank(self) -> int:

@@ -28,7 +28,7 @@ def centred_singular_values(F: torch.Tensor) -> torch.Tensor:
 def stable_rank(F: torch.Tensor) -> float:
     """``||F||_F^2 / ||F||_2^2`` of the centred features (1 for one direction, m for an isotropic cloud)."""
     s = centred_singular_values(F)
-    return float((s.square().sum() / s[0].square()).nan_to_num(0.0)) if len(s) and s[0] > 0 else 0.0
+    return float(s.square().sum() / s[0].square()) if len(s) and s[0] > 0 else 0.0
 
 
 def effective_rank(F: torch.Tensor) -> float:
