@@ -9,7 +9,8 @@ VENV36 := .venv-triton36
 COMPILE_OUT ?= runs/gpu-compile
 KERNEL_TESTS := tests/test_soft_threshold.py tests/test_smoothed_clamp.py tests/test_patch_activation_sum.py \
 	tests/test_masked_attention.py tests/test_bn_cosine_loss.py tests/test_activations.py tests/test_kernel_template.py \
-	tests/test_gpu_compile.py tests/test_int32_offsets.py tests/test_modular_power_mlp.py tests/test_looped_linear_attention.py
+	tests/test_gpu_compile.py tests/test_int32_offsets.py tests/test_modular_power_mlp.py tests/test_looped_linear_attention.py \
+	tests/test_token_selection.py
 # make test-fast: a first check in under 2 minutes (the CLI and config contract, refusals, determinism of the
 # sampler, checkpoints that resume bit-equal, one kernel against its float64 reference, one paper's headline)
 FAST_TESTS := tests/test_interfaces.py tests/test_rng.py tests/test_checkpoints.py tests/test_soft_threshold.py \
@@ -72,8 +73,9 @@ looped-transformer: $(STAMP)  ## Shi's dissertation ch. 8: Fig. 8.1 (the hand-bu
 	$(PY) -m featlearn.experiments.looped_transformer --seed 0 1 2 --out runs/looped_transformer
 	$(PY) -m featlearn.experiments.looped_transformer_trained --seed 0 1 2 --out runs/looped_transformer_trained
 
-gradient-features: $(STAMP)  ## Shi's dissertation ch. 3: the network vs random features and the NTK on the XOR mixture, d = 32..256
+gradient-features: $(STAMP)  ## Shi's dissertation ch. 3: the network vs random features and the NTK on the XOR mixture (d = 32..256) and structured parity
 	$(PY) -m featlearn.experiments.gradient_features --seed 0 1 2 --out runs/gradient_features
+	$(PY) -m featlearn.experiments.gradient_features --task parity --seed 0 1 2 --out runs/gradient_features
 
 icl-scale: $(STAMP)  ## Shi's dissertation ch. 5: rank-r linear attention trained for in-context regression, noise sensitivity
 	$(PY) -m featlearn.experiments.icl_scale --seed 0 1 2 --out runs/icl_scale

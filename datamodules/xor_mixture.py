@@ -27,6 +27,7 @@ import torch
 from featlearn.datamodules import rng
 from featlearn.datamodules.base import SyntheticDataModule
 from featlearn.errors import ConfigError
+from featlearn.theory.gradient_features import xor_bias
 from featlearn.validation import PositiveFloat, PositiveInt, check_args
 
 _Q_CLUSTER, _Q_NOISE = 0, 1  # the random quantities' streams within a split
@@ -76,3 +77,12 @@ class XORMixtureDataModule(SyntheticDataModule):
     def features(self) -> torch.Tensor:
         """``D_1, D_3``, the unit directions of the two centre pairs (one per row)."""
         return self.directions.float()
+
+    @property
+    def signal_norm(self) -> float:
+        """How far along its feature direction a sample's signal lies: the centres' norm ``sqrt(d)``."""
+        return math.sqrt(self.d)
+
+    def bias_scale(self, sigma_w: float) -> float:
+        """The chapter's bias scale for the XOR mixture, ``sqrt(d log log d) sigma_w sigma`` (App. B.5.3)."""
+        return xor_bias(self.d, sigma_w, self.sigma)

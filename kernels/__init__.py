@@ -10,6 +10,8 @@ from featlearn.kernels.patch_activation_sum import PatchSums, patch_activation_s
 from featlearn.kernels.smoothed_clamp import (gaussian_smoothed_clamp, gaussian_smoothed_clamp_derivative,
                                               smoothed_clamp_layer, smoothed_clamp_reference)
 from featlearn.kernels.soft_threshold import soft_threshold_layer, soft_threshold_reference, symmetric_relu
+from featlearn.kernels.token_selection import (select_tokens, select_tokens_reference, selection_scores,
+                                               selection_scores_reference)
 
 __all__ = [
     "Activation",
@@ -40,4 +42,8 @@ __all__ = [
     "soft_threshold_layer",
     "soft_threshold_reference",
     "symmetric_relu",
+    "select_tokens",
+    "select_tokens_reference",
+    "selection_scores",
+    "selection_scores_reference",
 ]

@@ -44,4 +44,7 @@ OPS = (
             "modular_power_mlp"),
     FusedOp("looped_linear_attention", "looped_linear_attention", "LoopedLinearAttentionFunction", "_looped_attn",
             frozenset({"B"}), "looped_linear_attention"),
+    # N, the prompt's length, changes from call to call like a batch: a search per length would never end
+    FusedOp("token_selection", "select_tokens", "TokenSelectionFunction", "_token_sel", frozenset({"N"}),
+            "token_selection"),
 )

@@ -1,5 +1,7 @@
 """A two-layer ReLU network learning gradient features, against fixed features (Shi 2024, Ch. 3 = Shi, Wei, Liang,
-NeurIPS 2023, arXiv:2310.20582): Algorithm 1 on the XOR mixture of Gaussians.
+NeurIPS 2023, arXiv:2310.20582): Algorithm 1 on the XOR mixture of Gaussians (:class:`GradientFeatureNetwork`) and on
+structured parity (:class:`BlockParityGradientFeatures`, the same network on
+:class:`~featlearn.datamodules.block_parity.BlockParityDataModule`).
 
 ``g(x) = sum_{i <= 4m} a_i ReLU(<w_i, x> - b_i)`` with the symmetric initialisation of Eq. 3.9: for ``i <= m``, ``a_i ~
 N(0, sigma_a^2)``, ``w_i ~ N(0, sigma_w^2 I)``, ``b_i = b~``; neurons ``m+1..2m`` are ``(-a, -w, -b)`` of the
@@ -9,9 +11,10 @@ on the hinge loss, a fresh batch every step (Algorithm 1). ``features`` picks wh
 * ``learned`` (the chapter's network): step 1 with weight decay ``1 / eta^(1)`` sets ``a, W <- -eta^(1) grad``, so
   ``w_i^(1) = eta^(1) a_i^(0) G(w_i, b_i)`` carries the simplified gradient; then plain steps of ``lr`` on a and W.
   The chapter fixes ``eta^(1)`` and ``sigma_a`` by its constants (Theorem B.23); here ``eta^(1) = step1_scale b~ /
-  (sqrt(d) median_i |a_i^(0)| ||G(w_i, b_i)||)`` (the median first gradient ``||grad_{w_i}||``, estimated on 20000
-  samples at the start), so that a typical first-step neuron reads a centre ``sqrt(d)`` away at ``step1_scale``
-  times the bias: the same scale, without the unknown constants.
+  (s median_i |a_i^(0)| ||G(w_i, b_i)||)`` (the median first gradient ``||grad_{w_i}||``, estimated on 20000
+  samples at the start; ``s`` is the data's ``signal_norm``, a centre's ``sqrt(d)`` for the XOR mixture, a block's
+  ``sqrt(k)`` for parity), so that a typical first-step neuron reads a signal ``s`` away along its feature at
+  ``step1_scale`` times the bias: the same scale, without the unknown constants.
 * ``random``: random features, W fixed at its initial value, a trained with ``lr`` from the first step.
 * ``ntk``: the network linearised at its initialisation (the neural tangent kernel's model), ``g(x) = sum_i (a_i^(0)
   + da_i) ReLU(u_i) + a_i^(0) 1[u_i > 0] <dw_i, x>`` with ``u_i = <w_i^(0), x> - b_i``, trained with ``lr``.
@@ -36,11 +39,11 @@ from typing import Literal
 
 import torch
 
+from featlearn.datamodules.block_parity import BlockParityDataModule
 from featlearn.datamodules.xor_mixture import XORMixtureDataModule
 from featlearn.lightning_modules.base import FeatureLearningModule
 from featlearn.lightning_modules.two_layer_parts import ScheduledGD
-from featlearn.theory.gradient_features import (feature_probability, nice_counts, simplified_gradients,
-                                                xor_bias)
+from featlearn.theory.gradient_features import feature_probability, nice_counts, simplified_gradients
 from featlearn.validation import PositiveFloat, PositiveInt, check_args
 
 _CANDIDATES, _SAMPLES = 2048, 20000  # the start's p estimate: initial neurons, data samples
@@ -54,7 +57,8 @@ class GradientFeatureNetwork(FeatureLearningModule):
         features: ``learned`` (Algorithm 1), ``random`` (random features) or ``ntk`` (the linearised network).
         sigma_w: the initial weights' standard deviation (default ``1 / sqrt(d)``).
         sigma_a: the initial output weights' standard deviation.
-        bias_mult: ``b~`` as a multiple of App. B.5.3's ``sqrt(d log log d) sigma_w sigma``.
+        bias_mult: ``b~`` as a multiple of the data's bias scale (``bias_scale(sigma_w)``; for the XOR mixture App.
+            B.5.3's ``sqrt(d log log d) sigma_w sigma``).
         step1_scale: the first step's size (``learned``; module docstring).
         lr: the step size of every later step (and of every step of ``random`` and ``ntk``).
         gamma: the cones' width in the feature metrics (``cos > 1 - gamma``).
@@ -72,11 +76,11 @@ class GradientFeatureNetwork(FeatureLearningModule):
         super().__init__()
         self.save_hyperparameters()
 
-    def build(self, dm: XORMixtureDataModule) -> None:
+    def build(self, dm: XORMixtureDataModule | BlockParityDataModule) -> None:
         hp, d, m = self.hparams, dm.d, self.hparams.width
         self.d = d
         sigma_w = 1 / math.sqrt(d) if hp.sigma_w is None else hp.sigma_w
-        self.b_tilde = hp.bias_mult * xor_bias(d, sigma_w, dm.sigma)
+        self.b_tilde = hp.bias_mult * dm.bias_scale(sigma_w)
         gen = torch.Generator().manual_seed(dm.seed if hp.init_seed is None else hp.init_seed)
         w0, a0 = sigma_w * torch.randn(m, d, generator=gen), hp.sigma_a * torch.randn(m, generator=gen)
         W, a = torch.cat([w0, -w0, w0, -w0]), torch.cat([a0, -a0, -a0, a0])
@@ -95,13 +99,12 @@ class GradientFeatureNetwork(FeatureLearningModule):
         # the gradient-feature probability p at this initialisation (Definition 3.7), per bias sign
         data = dm.sample(torch.arange(_SAMPLES), "test")  # (seed, index) draws: the split's size does not bound them
         candidates = sigma_w * torch.randn(_CANDIDATES, d, generator=gen)
-        signed = torch.cat([self.directions, -self.directions])
         grads = [simplified_gradients(candidates, torch.tensor(s * self.b_tilde), data["x"], data["y"]) for s in (1, -1)]
         self.B_G = float(torch.cat(grads).norm(dim=1).median())
-        self.p = torch.stack([feature_probability(G, signed[:2], hp.gamma, self.B_G) for G in grads])  # [sign, D]
+        self.p = torch.stack([feature_probability(G, self.directions, hp.gamma, self.B_G) for G in grads])  # [sign, D]
         # the first gradient of neuron i is -a_i G(w_i, b_i) (hinge at g = 0): its median norm sets eta^(1)
         first = simplified_gradients(W[:2 * m], self.b[:2 * m], data["x"], data["y"]).norm(dim=1) * a[:2 * m].abs()
-        self.eta1 = hp.step1_scale * self.b_tilde / (math.sqrt(d) * max(float(first.median()), 1e-30))
+        self.eta1 = hp.step1_scale * self.b_tilde / (dm.signal_norm * max(float(first.median()), 1e-30))
         self.nice_fraction: list[float] | None = None  # per bias sign, after step 1
         self.W_first: torch.Tensor | None = None  # the first layer after step 1
 
@@ -154,7 +157,7 @@ class GradientFeatureNetwork(FeatureLearningModule):
         self.log("val/loss", torch.relu(1 - batch["y"] * g).mean(), sync_dist=True, batch_size=n)
 
     def correlations(self) -> torch.Tensor:
-        """``cos(w_i, D_j)`` of the first 2m neurons (the others repeat their weights) ``[2m, 2]``."""
+        """``cos(w_i, D_j)`` of the first 2m neurons (the others repeat their weights) ``[2m, directions]``."""
         w = self.weights()[:2 * self.hparams.width]
         return w @ self.directions.T / w.norm(dim=1, keepdim=True).clamp_min(1e-30)
 
@@ -179,3 +182,18 @@ class GradientFeatureNetwork(FeatureLearningModule):
             if value is not None:
                 out[name.removeprefix("val/")] = float(value)
         return out
+
+
+class BlockParityGradientFeatures(GradientFeatureNetwork):
+    """:class:`GradientFeatureNetwork` on structured parity (Sec. 3.4.2): the gradient features are the block
+    directions ``D_j`` and ``bias_mult`` multiplies ``sqrt(r k) sigma_w``
+    (:meth:`~featlearn.datamodules.block_parity.BlockParityDataModule.bias_scale`). Arguments as the parent's.
+
+    Example:
+        >>> dm = BlockParityDataModule(d=24, r=1, k=3, seed=0)
+        >>> model = BlockParityGradientFeatures(width=8).attach(dm)
+        >>> tuple(model.correlations().shape)
+        (16, 1)
+    """
+
+    datamodule_class = BlockParityDataModule

@@ -161,6 +161,11 @@ class ViTCL(GlobalLocalViT):
             return out.mean(1), A
         return self.pooled_from_logits(rows @ x.transpose(1, 2), x, None, groups)
 
+    def representation(self, batch: dict) -> torch.Tensor:
+        """The pooled representation ``F [B, d]`` of the unmasked view, whose spectrum
+        :class:`~featlearn.callbacks.RepresentationSpectrum` logs (CL's collapse shows there first)."""
+        return self.pooled(self.query_rows(), self.sample_patches(batch))[0]
+
     def pooled_from_logits(self, logits: torch.Tensor, x: torch.Tensor, mask: torch.Tensor | None = None,
                            groups: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The pooled form from the logits ``[B, P, P]`` of the view of ``x`` whose keys ``mask [B, P]`` are

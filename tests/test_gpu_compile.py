@@ -3,7 +3,7 @@
 The whole check (every kernel x variant x config, about 5 minutes) runs in CI as its own step
 (``make compile-check``, and under triton 3.6 ``make triton36-check``); here: its coverage, its rules, and
 a few real sm_90 builds (float64 dots, which triton 3.6 refuses unless ``out_dtype`` is the float64
-accumulator).
+accumulator), and GemFilter's token selection in bfloat16 (the one op that reads half-precision inputs) and float64.
 """
 import importlib
 import pkgutil
@@ -78,3 +78,19 @@ def test_float64_dots_build_for_sm90(launches):
     for row in rows:
         assert not gc.problems(row), (row["kernel"], row["config"], row["error"])
         assert row["regs"] > 0
+
+
+def test_token_selection_builds_for_sm90_in_bf16_and_fp64(launches):
+    """LLaMA 3.1 8B's selection (H_kv = 8, Dh = 128, 128k tokens) with bf16 keys, as the models hold them, and in
+    float64: each kernel's last fitting config builds with no error and no spill (the bf16 and float32 launches
+    share one pooling build: the partial scores are float32 either way)."""
+    wanted = {"llama31-8b-128k/bf16", "llama31-8b-128k/fp64"}
+    picked = [x for x in launches if x["op"] == "token_selection" and x["case"] in wanted]
+    assert {x["signature"]["k_ptr"] for x in picked if "k_ptr" in x["signature"]} == {"*bf16", "*fp64"}
+    last = {}
+    for job in gc.jobs_from(picked, all_configs=False):
+        last[(job["kernel"], str(job["signature"]))] = job
+    rows = gc.compile_all(list(last.values()), workers=2)
+    assert len(rows) == 4
+    for row in rows:
+        assert not gc.problems(row), (row["kernel"], row["config"], row["error"])

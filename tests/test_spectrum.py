@@ -9,7 +9,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from featlearn.cli import make_cli
 from featlearn.metrics.spectrum import effective_rank, nuclear_norm, stable_rank
-from tiny_sizes import HIDDEN, MODADD
+from tiny_sizes import HIDDEN, MODADD, VIT, over
 
 
 @pytest.mark.parametrize("rank", [1, 3, 7])
@@ -52,6 +52,14 @@ def test_callback_logs_both_ranks_for_a_method_with_a_representation(tmp_path):
         steps = [e.step for e in events.Scalars(tag)]
         assert steps == [2, 4]
         assert all(1.0 <= e.value <= model.w.shape[0] for e in events.Scalars(tag))
+
+
+def test_the_contrastive_vit_logs_the_spectrum_of_its_pooled_representation(tmp_path):
+    model, tags, events = _run(tmp_path, "vit/cl.yaml", over(dict(VIT, K=4, d=None)), "vit_cl")
+    ranks = [e.value for e in events.Scalars("val/stable_rank")]
+    assert len(ranks) == 2 and all(1.0 <= r <= model.V.shape[1] for r in ranks)
+    batch = model.trainer.datamodule.batch(torch.arange(6), "val")
+    assert tuple(model.representation(batch).shape) == (6, model.V.shape[1])
 
 
 def test_callback_skips_a_method_without_one(tmp_path):

@@ -32,6 +32,7 @@ from featlearn.kernels.masked_attention import masked_attention
 from featlearn.kernels.modular_power_mlp import modular_power_mlp, modular_power_mlp_reference
 from featlearn.kernels.registry import OPS as REGISTRY
 from featlearn.kernels.smoothed_clamp import smoothed_clamp_layer, smoothed_clamp_reference
+from featlearn.kernels.token_selection import selection_scores, sorted_top_k
 
 SIZES = ("smoke", "tiny", "medium", "gpu")
 
@@ -74,6 +75,12 @@ MODPOW = {"smoke": [dict(B=16, k=3, p=7, m=24)], "tiny": [dict(B=1024, k=3, p=23
 LOOPED = {"smoke": [dict(B=9, d=3, n=8, T=5)], "tiny": [dict(B=64, d=4, n=32, T=20)],
           "medium": [dict(B=1024, d=20, n=128, T=100)],
           "gpu": [dict(B=4096, d=4, n=16, T=200), dict(B=4096, d=20, n=128, T=200)]}
+# token_selection (Shi 2024, Ch. 9, GemFilter): one prompt's last query row over N keys, LLaMA 3.1 8B's heads (H = 32,
+# H_kv = 8, Dh = 128), k kept; smoke: the tests' odd GQA sizes; gpu: 16k and the models' 128k context
+GEM = {"smoke": [dict(B=1, H=6, Hkv=2, N=37, D=24, k=5)], "tiny": [dict(B=1, H=32, Hkv=8, N=4096, D=128, k=256)],
+       "medium": [dict(B=1, H=32, Hkv=8, N=32768, D=128, k=1024)],
+       "gpu": [dict(B=1, H=32, Hkv=8, N=16384, D=128, k=1024), dict(B=1, H=32, Hkv=8, N=131072, D=128, k=4096)]}
+GEM_POOL = 5
 OPS = tuple(op.bench for op in REGISTRY)  # featlearn/kernels/registry.py
 COMPILED_AT_GPU = ("patch_activation_sum", "soft_threshold", "masked_attention fwd+bwd")
 """The cases that keep a torch.compile variant at ``--size gpu`` (the compile budget, see the docstring)."""
@@ -469,6 +476,50 @@ def looped_cases(size: str, device: torch.device) -> list[Case]:
     return cases
 
 
+# ------------------------------------------------------------------------------------------------
+def _gem_outputs(scores, idx):
+    """The pooled scores and the selected tokens' scores, largest first: equal to the reference's top-k values
+    whatever order ties take (the ids themselves are checked by tests/test_token_selection.py)."""
+    return scores, scores.gather(-1, idx).sort(dim=-1, descending=True).values
+
+
+def _gem_eager_forward(q, keys, k):
+    K = keys.repeat_interleave(q.shape[1] // keys.shape[1], dim=1)  # repeat_kv
+    s = torch.matmul(q.unsqueeze(2), K.transpose(2, 3))[:, :, 0].sum(1, keepdim=True)
+    s = torch.nn.functional.avg_pool1d(s, GEM_POOL, stride=1, padding=GEM_POOL // 2)[:, 0]
+    return s, torch.sort(torch.topk(s, k, dim=-1).indices, dim=-1).values
+
+
+def gem_eager(inp, forward=_gem_eager_forward):
+    """The reference repo's code: K repeated per query head, the last row's products, head sum, pool, top-k, sort."""
+    return _gem_outputs(*forward(inp["q"], inp["keys"], inp["k"]))
+
+
+def gem_featlearn(inp, backend):
+    """select_tokens, split at its seam so the scores come out too: selection_scores, then sorted_top_k."""
+    s = selection_scores(inp["q"], inp["keys"], GEM_POOL, backend=backend)
+    return _gem_outputs(s, sorted_top_k(s, inp["k"]))
+
+
+def gem_cases(size: str, device: torch.device) -> list[Case]:
+    cases = []
+    for shape in GEM[size]:
+        B, H, Hkv, N, D, k = (shape[key] for key in ("B", "H", "Hkv", "N", "D", "k"))
+
+        def inputs(dtype, dev, seed, B=B, H=H, Hkv=Hkv, N=N, D=D, k=k):
+            g = _gen(seed, dev)
+            return {"q": _randn(g, B, H, D, dtype=dtype, device=dev),
+                    "keys": _randn(g, B, Hkv, N, D, dtype=dtype, device=dev), "k": k}
+
+        # memory-bound: K read once (B H_kv N Dh), the query rows, the scores written; no dot for tensor cores
+        # (a matrix-vector product), so no TF32 variant and no FLOP count
+        cases.append(Case("token_selection", f"B={B} H={H} H_kv={Hkv} N={N} Dh={D} k={k}",
+                          _variants(gem_eager, _gem_eager_forward, gem_featlearn, device,
+                                    _compile(size, "token_selection"), dots=False),
+                          inputs, gem_eager, bytes=4 * (B * Hkv * N * D + B * H * D + B * N) + 8 * B * k))
+    return cases
+
+
 def cases(ops: list[str], size: str, device: torch.device) -> list[Case]:
     """The cases of ``ops`` at ``size``, in the order of ``ops``."""
     build = {"patch_activation_sum": lambda: [patch_case(size, device)],
@@ -478,5 +529,6 @@ def cases(ops: list[str], size: str, device: torch.device) -> list[Case]:
              "masked_attention": lambda: attn_cases(size, device),
              "smoothed_clamp": lambda: [clamp_case(size, device)],
              "modular_power_mlp": lambda: modpow_cases(size, device),
-             "looped_linear_attention": lambda: looped_cases(size, device)}
+             "looped_linear_attention": lambda: looped_cases(size, device),
+             "token_selection": lambda: gem_cases(size, device)}
     return [case for op in ops for case in build[op]()]

@@ -5,7 +5,7 @@ kernel has none.
 
 Example:
     >>> sorted(cases())
-    ['bn_cosine_loss', 'looped_linear_attention', 'masked_attention', 'modular_power_mlp', 'patch_activation_sum', 'smoothed_clamp', 'soft_threshold']
+    ['bn_cosine_loss', 'looped_linear_attention', 'masked_attention', 'modular_power_mlp', 'patch_activation_sum', 'smoothed_clamp', 'soft_threshold', 'token_selection']
     >>> cases()["soft_threshold"][0][0]
     'contrastive-medium/fp32-ieee'
 """
@@ -80,6 +80,12 @@ def _looped(B, D, T, dtype):
                             backend="triton").sum().backward()
 
 
+def _token_sel(B, H, HKV, N, D, dtype):
+    from featlearn.kernels import selection_scores
+
+    selection_scores(_t(B, H, D, dtype=dtype), _t(B, HKV, N, D, dtype=dtype), backend="triton")
+
+
 def cases() -> dict:
     """op -> [(case name, call)]: sizes from the methods' configs. Each kernel is built in every
     precision at its method's main size, and in the precisions its methods run at the other sizes (a size
@@ -135,4 +141,12 @@ def cases() -> dict:
                                              (f"ch8-d15/{label}", p(_looped, 4096, 16, 200, dtype)),
                                              (f"ch8-d20/{label}", p(_looped, 4096, 21, 200, dtype)),
                                              (f"max-dim/{label}", p(_looped, 1024, 64, 10, dtype))]
+    for dtype, label in (("bfloat16", "bf16"), ("float32", "fp32"), ("float64", "fp64")):
+        # dissertation ch. 9 (GemFilter): LLaMA 3.1 8B / Mistral Nemo (H = 32, H_kv = 8, Dh = 128) and Phi 3.5 Mini
+        # (32, 32, 96) at 128k tokens, a prompt length not a multiple of 16, and a small synthetic decoder (Dh = 24:
+        # rows not 16-aligned); bf16: the models' own keys
+        cases["token_selection"] += [(f"llama31-8b-128k/{label}", p(_token_sel, 1, 32, 8, 131072, 128, dtype)),
+                                     (f"phi35-mini-128k/{label}", p(_token_sel, 1, 32, 32, 131072, 96, dtype)),
+                                     (f"unaligned-n/{label}", p(_token_sel, 1, 32, 8, 100003, 128, dtype)),
+                                     (f"small-decoder/{label}", p(_token_sel, 4, 8, 2, 4099, 24, dtype))]
     return dict(cases)

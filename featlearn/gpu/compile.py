@@ -43,8 +43,8 @@ TARGET = ("cuda", 90, 32)
 # ------------------------------------------------------------------------------------------------
 # capture (interpreter mode): launches -> compile jobs
 # ------------------------------------------------------------------------------------------------
-_TORCH_TO_TRITON = {"float32": "fp32", "float64": "fp64", "uint8": "u8", "int64": "i64", "int32": "i32",
-                    "int8": "i8", "bool": "u1"}
+_TORCH_TO_TRITON = {"float32": "fp32", "float64": "fp64", "bfloat16": "bf16", "float16": "fp16", "uint8": "u8",
+                    "int64": "i64", "int32": "i32", "int8": "i8", "bool": "u1"}
 
 
 def _arg_type(value, annotation):

@@ -1,7 +1,7 @@
 """Every op of ``featlearn.kernels`` with a Triton path, through ``backend="triton"``, against its float64
 reference: soft_threshold_layer, smoothed_clamp_layer (s > 0, and s = 0: the truncated ReLU, another
 compiled epilogue), patch_activation_sum, masked_attention, bn_cosine_loss (bn, with bn_column_stats; l2),
-modular_power_mlp, looped_linear_attention.
+modular_power_mlp, looped_linear_attention, token_selection (selection_scores and select_tokens: no gradients).
 ``infonce`` (infonce_stopgrad, infonce_grad_closed_form) has no Triton path, only PyTorch: nothing to compile.
 
 A case: fresh random inputs (seeded by the test id) rounded to the run's dtype; the op with every output
@@ -276,6 +276,33 @@ OPS_LOOPED = Op("looped_linear_attention", _looped_make,
                 {"odd": ((1031, 7, 37), (5, 3, 4)), "medium": ((4096, 5, 200), (3, 5, 6)),
                  "large": ((4096, 21, 200), (3, 9, 3)), "largest": ((1024, 64, 10), (2, 16, 2))}, 1, dots=False)
 
+# ---------------------------------------------------------------------------------------------------
+# token_selection (GemFilter): q_last [B, H, Dh], keys [B, H_kv, N, Dh] -> scores [B, N], ids [B, k]
+# ---------------------------------------------------------------------------------------------------
+def _gem_make(shape, size, gen, dtype):
+    B, H, Hkv, N, D, k = shape
+    return {"q": _randn(gen, dtype, B, H, D), "keys": _randn(gen, dtype, B, Hkv, N, D), "k": k}, (), {"q", "keys"}
+
+
+def _gem_outputs(scores, idx):
+    """The scores and the selected tokens' scores largest first (ties may take either id; the ids ascend)."""
+    assert idx.dtype == torch.int64 and bool((idx.diff(dim=-1) > 0).all())
+    return {"scores": scores, "top": scores.gather(-1, idx).sort(dim=-1, descending=True).values}
+
+
+OPS_GEM = Op("token_selection", _gem_make,
+             lambda i, p: _gem_outputs(K.selection_scores(i["q"], i["keys"], backend="triton"),
+                                       K.select_tokens(i["q"], i["keys"], i["k"], backend="triton")),
+             lambda i: (lambda s: {"scores": s, "top": s.topk(i["k"], dim=-1).values})(
+                 K.selection_scores_reference(i["q"], i["keys"])),
+             lambda i, gen: {},  # no backward: the op's product is an index set
+             # (B, H, H_kv, N, Dh, k): odd (GQA groups of 3, Dh = 24: unaligned rows), LLaMA 3.1 8B's heads at 16k and
+             # 128k tokens, Phi 3.5 Mini's (no GQA, Dh = 96)
+             {"odd": ((3, 6, 2, 1031, 24, 37), (2, 6, 3, 37, 24, 5)), "medium": ((1, 32, 8, 16384, 128, 1024),
+                                                                             (1, 4, 2, 40, 16, 7)),
+              "large": ((1, 32, 8, 131072, 128, 4096), (1, 8, 8, 33, 8, 3)),
+              "mha": ((1, 32, 32, 32768, 96, 1024), (1, 3, 3, 21, 12, 4))}, 1, dots=False)
+
 OPS = [
     _layer_op("soft_threshold", K.soft_threshold_layer, K.soft_threshold_reference, (-0.3, 0.7), 1.0,
               lambda b: (b, -b)),  # b < 0 too: the learned-bias ablation's formula
@@ -301,6 +328,7 @@ OPS = [
     _bn_op("l2"),
     OPS_MODPOW,
     OPS_LOOPED,
+    OPS_GEM,
 ]
 
 
@@ -347,7 +375,8 @@ def test_every_triton_op_has_a_case(gpu_device):
     with_backend = {n for n in K.__all__ if inspect.isfunction(inspect.unwrap(getattr(K, n)))
                     and "backend" in inspect.signature(getattr(K, n)).parameters}
     assert with_backend == {"soft_threshold_layer", "smoothed_clamp_layer", "patch_activation_sum", "masked_attention",
-                            "bn_cosine_loss", "bn_column_stats", "modular_power_mlp", "looped_linear_attention"}
+                            "bn_cosine_loss", "bn_column_stats", "modular_power_mlp", "looped_linear_attention",
+                            "selection_scores", "select_tokens"}
 
 
 @pytest.mark.parametrize("op,size,precision", list(_cases()))
@@ -385,7 +414,7 @@ def test_op_matches_float64_reference(poisoned, gpu_device, pick, request, op, s
         u = ups[0 if op.whole else c]
         if c == 0 or not op.whole:  # one backward of the reference per fresh upstream gradient
             ref_grads = torch.autograd.grad([ref_out[n] for n in u], [ref_in[n] for n in need], [u[n] for n in u],
-                                            retain_graph=True)
+                                            retain_graph=True) if need else ()  # (): an op with no backward
         for n, g in zip(need, ref_grads):
             g = g / k if op.whole else g  # a loss over k copies gives each row 1/k of the block's gradient
             if n in rows:
