@@ -68,6 +68,9 @@ CASES.update({
     "icl_parity": ("icl_scale/parity.yaml", ["--data.d", "4", "--data.N", "8", "--data.p_T", "0.1", "--model.heads", "4"],
                    16, 16, torch.float32),
     "gradient_features": ("gradient_features/xor.yaml", ["--data.d", "16", "--model.width", "4"], 64, 64, torch.float32),
+    # dissertation ch. 6: the nuclear norm of the GLOBAL batch's features, gathered through autograd
+    "erm_nu": ("erm_nu/theory.yaml", ["--data.r", "4", "--data.d", "16", "--data.gamma", "0.4", "--model.lam", "0.05"],
+               32, 32, torch.float32),
     "gradient_features_parity": ("gradient_features/parity.yaml", ["--data.d", "16", "--data.k", "3", "--model.width", "4"],
                                  64, 64, torch.float32),
 })

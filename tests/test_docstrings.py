@@ -9,6 +9,8 @@ MODULES = ["featlearn.kernels.registry", "featlearn.datamodules.modular_addition
            "featlearn.lightning_modules.icl_lsa", "featlearn.experiments.icl_scale", "featlearn.datamodules.parity_prompts",
            "featlearn.lightning_modules.icl_parity", "featlearn.experiments.icl_parity", "featlearn.datamodules.xor_mixture",
            "featlearn.datamodules.block_parity",
+           "featlearn.datamodules.domain_shift", "featlearn.theory.erm_nu", "featlearn.lightning_modules.erm_nu",
+           "featlearn.experiments.erm_nu",
            "featlearn.theory.gradient_features", "featlearn.lightning_modules.gradient_features",
            "featlearn.experiments.gradient_features", "featlearn.metrics.spectrum",
            "featlearn.lightning_modules.modular_addition", "featlearn.lightning_modules.modular_transformer",

@@ -33,7 +33,7 @@ from featlearn.bench.steps import module_step
 from featlearn.cli import make_cli
 from featlearn.kernels import bn_cosine_loss
 
-from tiny_sizes import BLOCK_PARITY, HIDDEN, ICL, ICL_PARITY, LOOPED, XOR, MODADD, MRP, PARITY, PATCHES, SPARSE, TRANSFORMER, VIT, over
+from tiny_sizes import BLOCK_PARITY, ERM_NU, HIDDEN, ICL, ICL_PARITY, LOOPED, XOR, MODADD, MRP, PARITY, PATCHES, SPARSE, TRANSFORMER, VIT, over
 
 pytestmark = pytest.mark.gpu
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -79,6 +79,7 @@ METHODS = {
     "icl_parity": ("icl_scale/parity.yaml", ICL_PARITY),  # ch. 5: heads, ReLU, hinge
     "gradient_features": ("gradient_features/xor.yaml", XOR),  # ch. 3: two GEMMs, ReLU, step 1's exact reset
     "gradient_features_parity": ("gradient_features/parity.yaml", BLOCK_PARITY),  # the same on structured parity
+    "erm_nu": ("erm_nu/theory.yaml", ERM_NU),  # ch. 6: the nuclear norm of the batch features (an SVD)
 }
 # the 1-rank DDP run: at one rank the methods skip their own collectives (world size 1), so what it checks
 # is DDP itself on nccl around the fused ops: the initial broadcast of parameters and buffers and the
