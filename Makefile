@@ -75,7 +75,7 @@ looped-transformer: $(STAMP)  ## Shi's dissertation ch. 8: Fig. 8.1 (the hand-bu
 
 gradient-features: $(STAMP)  ## Shi's dissertation ch. 3: the network vs random features and the NTK on the XOR mixture (d = 32..256) and structured parity
 	$(PY) -m featlearn.experiments.gradient_features --seed 0 1 2 --out runs/gradient_features
-	$(PY) -m featlearn.experiments.gradient_features --task parity --seed 0 1 2 --out runs/gradient_features
+	$(PY) -m featlearn.experiments.gradient_features --task parity --seed 0 1 2 --out runs/gradient_features_parity
 
 erm-nu: $(STAMP)  ## Shi's dissertation ch. 6: ERM vs l2 vs nuclear norm vs rank on the 2-D toy and the D_gamma model
 	$(PY) -m featlearn.experiments.erm_nu --seed 0 1 2 --out runs/erm_nu

@@ -92,10 +92,11 @@ def _fit(features, tmp_path):
 
 
 def test_headline_network_learns_structured_parity_where_the_ntk_does_not(tmp_path):
-    # d = 64, r = 1, k = 5, p_A = 1/4, the best of 600 steps on validation (the experiment's numbers are
-    # in docs/methods/gradient_features.md)
+    # d = 64, r = 1, k = 5, p_A = 1/4, the best of 600 steps on validation, step size 0.1. The network's best step
+    # moves between the parity's levels (0, 7.7%, 15.3% error) from seed to seed (experiment, seeds 0-2: 0, 0.077,
+    # 0); the NTK stays at the linear read of the block (15.6%): assert a gap every seed shows, not seed 0's zero.
     errors = {f: _fit(f, tmp_path) for f in ("learned", "ntk")}
-    assert errors["learned"] < 0.03 and errors["ntk"] > 0.1, errors
+    assert errors["learned"] < 0.08 and errors["ntk"] > errors["learned"] + 0.05, errors
 
 
 @pytest.mark.parametrize("field, kwargs", [("data.r", {"r": 2}), ("data.k", {"k": 4}), ("data.d", {"d": 5}),
