@@ -22,10 +22,11 @@ The loss is the logistic ``log(1 + exp(-y f(x)))``, trained by SGD at ``lr``, pl
   approximation. Theory: ``rank(X diag(w)) = ||w||_0``, so at step ``support_step`` the ``b_rank`` largest
   ``|w_j|`` are kept as the support and every later step zeroes the rest (support chosen once, then a refit on it).
 
-Logged: ``train/loss`` (risk plus penalty), ``train/risk``; ``val/accuracy`` and ``val/loss`` on the
-in-distribution validation split (the one model selection reads); ``test/accuracy`` and ``test/ood_accuracy`` (and
-``test/ood_stable_rank``, the stable rank of the OOD features, Fig. 6.5) from the test loop; ``theory/*``
-(:meth:`ERMNU.theory`). The RepresentationSpectrum callback logs ``val/stable_rank`` of ``Phi``.
+Logged: ``train/loss`` (risk plus penalty), ``train/risk`` (the global batch's under DDP); ``val/accuracy`` and
+``val/loss`` on the in-distribution validation split (the one model selection reads); ``test/accuracy`` and
+``test/ood_accuracy`` (and ``test/ood_stable_rank``, the stable rank of the whole OOD split's features, gathered
+from every rank, Fig. 6.5) from the test loop; ``theory/*`` (:meth:`ERMNU.theory`). The RepresentationSpectrum
+callback logs ``val/stable_rank`` of ``Phi``.
 
 Example:
     >>> from featlearn.datamodules.domain_shift import DomainShiftDataModule
@@ -136,8 +137,8 @@ class ERMNU(FeatureLearningModule):
     def training_step(self, batch, batch_idx):
         risk, penalty = self.batch_loss(batch)
         loss = risk + penalty
-        if self.theory_due():
-            self.log_dict({"train/loss": loss, "train/risk": risk})
+        if self.theory_due():  # the global batch's (each rank's mean over its half, averaged over the ranks)
+            self.log_dict({"train/loss": loss, "train/risk": risk}, sync_dist=True)
         return loss
 
     def configure_optimizers(self):
@@ -173,8 +174,9 @@ class ERMNU(FeatureLearningModule):
         with torch.no_grad():
             f = self(batch["x"])
             logs = {"accuracy": accuracy(f, batch["y"]), "loss": torch.nn.functional.softplus(-batch["y"] * f).mean()}
-            if dataloader_idx == 1:
-                logs["stable_rank"] = torch.tensor(stable_rank(self.feature_map(batch["x"])))
+            if dataloader_idx == 1:  # of the whole OOD split: every rank's rows gathered, the same value on each
+                features = all_gather_cat_with_grad(self.feature_map(batch["x"]))
+                logs["stable_rank"] = f.new_tensor(stable_rank(features))
         prefix = "test/" if dataloader_idx == 0 else "test/ood_"
         self.log_dict({prefix + k: v for k, v in logs.items()}, add_dataloader_idx=False, batch_size=len(batch["y"]),
                       sync_dist=True)

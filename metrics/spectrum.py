@@ -45,17 +45,29 @@ class _NuclearNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, F):
         U, s, Vh = torch.linalg.svd(F, full_matrices=False)
-        ctx.save_for_backward(U, Vh)
+        ctx.save_for_backward(U, s, Vh)
         return s.sum()
 
     @staticmethod
     def backward(ctx, grad):
-        U, Vh = ctx.saved_tensors
-        return grad * (U @ Vh)  # the (sub)gradient of sum(s): U V^T, exact where F has full rank
+        U, s, Vh = ctx.saved_tensors
+        keep = _above_tolerance(s, U.shape[-2], Vh.shape[-1])
+        return grad * ((U * keep.unsqueeze(-2)) @ Vh)  # U_r V_r^T
+
+
+def _above_tolerance(s: torch.Tensor, m: int, n: int) -> torch.Tensor:
+    """The singular values above ``s_max max(m, n) eps`` (``torch.linalg.matrix_rank``'s rule): the others are zero
+    to rounding, and their singular vectors are whatever the solver picked."""
+    if not s.numel():
+        return torch.ones_like(s, dtype=torch.bool)
+    return s > s.amax(-1, keepdim=True) * max(m, n) * torch.finfo(s.dtype).eps
 
 
 def nuclear_norm(F: torch.Tensor) -> torch.Tensor:
     """``||F||_* = sum of the singular values`` of the features ``F`` ``[n, m]`` (not centred: the chapter's
-    penalty), differentiable: its gradient is ``U V^T`` from one thin SVD (``svdvals``' autograd computes the
-    same, at full rank). Add ``lam * nuclear_norm(features)`` to a loss for ERM-NU."""
+    penalty), differentiable. Its gradient is ``U_r V_r^T`` from one thin SVD, over the r singular values above
+    a relative tolerance (``torch.linalg.matrix_rank``'s): at full rank the gradient (``svdvals``' autograd
+    computes the same), and where F is rank-deficient the minimum-norm subgradient (0 at F = 0), not the
+    arbitrary singular vectors of its zero singular values. Add ``lam * nuclear_norm(features)`` to a loss for
+    ERM-NU."""
     return _NuclearNorm.apply(F)

@@ -74,8 +74,12 @@ def test_prop_6_3_rank_beats_l2_out_of_distribution(study):
     point = Point(r=16, d=128, gamma=0.45)
     l2 = study.fit_seeds(prop_run(settings, point, "l2"), THEORY_SEEDS, evaluate)
     rank = study.fit_seeds(prop_run(settings, point, "rank"), THEORY_SEEDS, evaluate)
-    assert all(f["ood_accuracy"] == 1.0 and f["support_invariant"] == 1.0 for f in rank.values()), rank
-    assert all(f["ood_accuracy"] <= l2_ood_bound(16) for f in l2.values()), l2
+    # ERM-rank's informative result is its support (Lemma 6.2). Once it lies in R, OOD accuracy 1.0 follows by
+    # construction: from w = 0 the risk's gradient -sigmoid(-m) z_j <= 0 keeps every w_j on R >= 0, and the margin,
+    # a nonnegative combination of R's U[0,1] coordinates (the same in and out of distribution), is positive
+    assert all(f["support_invariant"] == 1.0 for f in rank.values()), rank
+    assert all(f["ood_accuracy"] == 1.0 for f in rank.values()), rank  # the consequence, not a separate finding
+    assert all(f["ood_accuracy"] < l2_ood_bound(16) for f in l2.values()), l2  # the informative half of Prop. 6.3
     assert all(f["test_accuracy"] > 0.999 for f in (*l2.values(), *rank.values()))
 
 

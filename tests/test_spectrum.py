@@ -34,6 +34,24 @@ def test_nuclear_norm_gradient_matches_autograd_of_svdvals():
     assert float(nuclear_norm(F)) == pytest.approx(float(torch.linalg.svdvals(F).sum()), rel=1e-13)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_nuclear_norm_gradient_is_the_minimum_norm_subgradient_where_rank_deficient(dtype):
+    """At F = 0 the subgradient set is the unit spectral-norm ball: the gradient is its minimum-norm element 0
+    (ERM-NU's theory model starts at w = 0), not U V^T of whatever singular vectors the solver picked. At rank r
+    it is U_r V_r^T of the nonzero part, whatever the zero singular values' vectors."""
+    zero = torch.zeros(9, 5, dtype=dtype, requires_grad=True)
+    assert torch.equal(torch.autograd.grad(nuclear_norm(zero), zero)[0], torch.zeros(9, 5, dtype=dtype))
+    g = torch.Generator().manual_seed(1)
+    for shape, rank in (((13, 7), 3), ((6, 11), 2), ((8, 8), 1)):
+        left, _ = torch.linalg.qr(torch.randn(shape[0], rank, generator=g, dtype=torch.float64))
+        right, _ = torch.linalg.qr(torch.randn(shape[1], rank, generator=g, dtype=torch.float64))
+        s = torch.linspace(3.0, 0.5, rank, dtype=torch.float64)
+        F = ((left * s) @ right.T).to(dtype).requires_grad_()
+        want = (left @ right.T).to(dtype)
+        tol = 1e-12 if dtype == torch.float64 else 1e-5
+        torch.testing.assert_close(torch.autograd.grad(nuclear_norm(F), F)[0], want, rtol=0, atol=tol)
+
+
 def _run(tmp_path, config, sizes, name):
     cli = make_cli(["--config", f"configs/{config}", *sizes, "--trainer.max_steps", "4",
                     "--trainer.enable_progress_bar", "false", "--spectrum.every_n_steps", "2",

@@ -8,8 +8,9 @@ right on a sample when its margin ``m = sum_j w_j z_j`` is positive.
 * Lemma 6.1: the ERM-l2 optimum is ``alpha`` on every coordinate of R and ``beta`` on every coordinate of U, with
   ``0 < beta < alpha < 1 / sqrt(r)`` and ``alpha / beta < 3 / (4 gamma)``. :func:`l2_optimum` computes it.
 * Lemma 6.2: the ERM-rank optimum (``||w||_0 <= B_rank``) puts all its weight on R.
-* Prop. 6.3 (under :func:`prop63_conditions`): ERM-rank is right on every OOD sample (a positive combination of
-  ``U[0,1]`` coordinates is positive); ERM-l2 is right on at most ``exp(-r/10)`` of them (:func:`l2_ood_bound`).
+* Prop. 6.3 (under :func:`prop63_conditions`, lambda above :func:`prop63_lambda_threshold` up to a constant):
+  ERM-rank is right on every OOD sample (a positive combination of ``U[0,1]`` coordinates is positive); ERM-l2 is
+  right on at most ``exp(-r/10)`` of them (:func:`l2_ood_bound`).
 
 Margins are sums of many independent bounded terms: :func:`accuracy_normal` reads an accuracy off their mean and
 variance (:func:`margin_moments`), and :func:`l2_optimum` minimises the population loss under the same normal
@@ -52,20 +53,34 @@ def lemma61_ratio_bound(gamma: float) -> float:
     return 3 / (4 * gamma)
 
 
-def prop63_conditions(r: int, d: int, gamma: float, b_rank: int | None = None) -> dict[str, bool]:
+def prop63_lambda_threshold(r: int) -> float:
+    """Prop. 6.3's lower bound on lambda, ``Omega(sqrt(r) / exp(sqrt(r) / 5))``, with the hidden constant taken as 1.
+
+    Example:
+        >>> round(prop63_lambda_threshold(64), 2), round(prop63_lambda_threshold(100), 2)
+        (1.62, 1.35)
+    """
+    return math.sqrt(r) / math.exp(math.sqrt(r) / 5)
+
+
+def prop63_conditions(r: int, d: int, gamma: float, b_rank: int | None = None,
+                      lam: float | None = None) -> dict[str, bool]:
     """Which of Prop. 6.3's conditions hold: ``gamma_window`` (``3 / sqrt(r) < gamma < 1/2``, non-empty only for r >
-    36), ``dimension`` (``d > r / gamma^2 + r``) and, given ``b_rank``, ``b_rank`` (``1 <= B_rank <= r``). The
-    condition on lambda hides a constant, and ``r > C`` an unknown ``C < 20``: neither is checked.
+    36), ``dimension`` (``d > r / gamma^2 + r``), given ``b_rank``, ``b_rank`` (``1 <= B_rank <= r``) and, given
+    ``lam``, ``lambda_constant_1`` (``lam >`` :func:`prop63_lambda_threshold`: the condition's constant is hidden,
+    so this reads it as 1). ``r > C`` hides an unknown ``C < 20`` and is not checked.
 
     Example:
         >>> prop63_conditions(64, 512, 0.45, 8)
         {'gamma_window': True, 'dimension': True, 'b_rank': True}
-        >>> prop63_conditions(64, 128, 0.45)
-        {'gamma_window': True, 'dimension': False}
+        >>> prop63_conditions(64, 128, 0.45, lam=0.1)
+        {'gamma_window': True, 'dimension': False, 'lambda_constant_1': False}
     """
     out = {"gamma_window": 3 / math.sqrt(r) < gamma < 0.5, "dimension": d > r / gamma ** 2 + r}
     if b_rank is not None:
         out["b_rank"] = 1 <= b_rank <= r
+    if lam is not None:
+        out["lambda_constant_1"] = lam > prop63_lambda_threshold(r)
     return out
 
 
