@@ -25,7 +25,7 @@ else
 INSTALL_TORCH := $(PY) -m pip install -q torch==2.13.0+cpu || $(PY) -m pip install -q torch==2.13.0+cpu --index-url $(TORCH_CPU_INDEX)
 endif
 
-.PHONY: experiment test test-fast test-all docs compile-check triton36-check gpu-tests-dry contrastive noncontrastive vit two-layer universality modular-addition looped-transformer icl-scale gradient-features erm-nu large-k profile bench tensorboard clean
+.PHONY: experiment test test-fast test-all docs compile-check triton36-check gpu-tests-dry contrastive noncontrastive vit two-layer universality modular-addition looped-transformer icl-scale gradient-features erm-nu gemfilter large-k profile bench tensorboard clean
 
 experiment: $(STAMP)  ## the main job: MRP pretrain -> fine-tune vs supervised learning, seed 0 only, lr grid
 	$(PY) -m featlearn.experiments.mrp --grid --out runs/mrp
@@ -79,6 +79,9 @@ gradient-features: $(STAMP)  ## Shi's dissertation ch. 3: the network vs random 
 
 erm-nu: $(STAMP)  ## Shi's dissertation ch. 6: ERM vs l2 vs nuclear norm vs rank on the 2-D toy and the D_gamma model
 	$(PY) -m featlearn.experiments.erm_nu --seed 0 1 2 --out runs/erm_nu
+
+gemfilter: $(STAMP)  ## Shi's dissertation ch. 9: GemFilter's token selection on a trained 4-layer decoder, needle retrieval at 512 tokens
+	$(PY) -m featlearn.experiments.gemfilter --seed 0 1 2 --out runs/gemfilter
 
 icl-scale: $(STAMP)  ## Shi's dissertation ch. 5: rank-r linear attention trained for in-context regression, noise sensitivity
 	$(PY) -m featlearn.experiments.icl_scale --seed 0 1 2 --out runs/icl_scale

@@ -1,4 +1,4 @@
-"""GemFilter's token selection (Shi 2024, Ch. 9: Shi, Li, Liang et al., arXiv 2409.17422, Algorithm 2): the
+"""GemFilter's token selection (Shi 2024, Ch. 9: Shi, Ming, Nguyen, Liang, Joty, arXiv 2409.17422, Algorithm 2): the
 prompt's last query row at the filter layer scores every token, and the k best are kept in their own order::
 
     s_b[n] = sum_h q_b^(h) . K_b^(h // (H / H_kv))[n, :]          (GQA: query head h reads kv head h // G, repeat_kv)

@@ -71,6 +71,13 @@ CASES.update({
     # dissertation ch. 6: the nuclear norm of the GLOBAL batch's features, gathered through autograd
     "erm_nu": ("erm_nu/theory.yaml", ["--data.r", "4", "--data.d", "16", "--data.gamma", "0.4", "--model.lam", "0.05"],
                32, 32, torch.float32),
+    # dissertation ch. 9: the decoder's next-token loss on fresh prompts, each rank its half of the global batch
+    "gemfilter": ("gemfilter/retrieval.yaml", ["--data.context", "64", "--data.train_context", "32", "--data.pairs", "4",
+                                              "--data.queries", "2", "--data.fillers", "8", "--data.keys", "16",
+                                              "--data.values", "8", "--model.layers", "2", "--model.heads", "2",
+                                              "--model.head_dim", "8", "--model.hidden", "16", "--model.mlp_hidden",
+                                              "32", "--model.rope_dims", "4", "--trainer.precision", "64-true"], 16, 16,
+                  torch.float64),  # float64: Adam's normalised steps lift float32 reduction-order noise to 1e-5
     "gradient_features_parity": ("gradient_features/parity.yaml", ["--data.d", "16", "--data.k", "3", "--model.width", "4"],
                                  64, 64, torch.float32),
 })

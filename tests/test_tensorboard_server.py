@@ -35,7 +35,7 @@ import pytest
 import torch
 import yaml
 
-from tiny_sizes import ERM_NU, HIDDEN, ICL, ICL_PARITY, LOOPED, XOR, MODADD, MRP, PARITY, PATCHES, SPARSE, TRANSFORMER, VIT, over
+from tiny_sizes import ERM_NU, GEMFILTER, HIDDEN, ICL, ICL_PARITY, LOOPED, XOR, MODADD, MRP, PARITY, PATCHES, SPARSE, TRANSFORMER, VIT, over
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
@@ -74,6 +74,7 @@ METHODS = {
     "icl_parity": ("icl_scale/parity.yaml", ICL_PARITY, "train/loss", "lr", HEATMAP),
     "gradient_features": ("gradient_features/xor.yaml", XOR, "train/loss", "lr", HEATMAP),
     "erm_nu": ("erm_nu/theory.yaml", ERM_NU, "train/loss", "lr", HEATMAP),
+    "gemfilter": ("gemfilter/retrieval.yaml", GEMFILTER, "train/loss", "lr", HEATMAP),
 }
 
 

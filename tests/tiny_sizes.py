@@ -20,6 +20,9 @@ TRANSFORMER = over(dict(k=2, p=7, batch_size=8), dict(heads=2, hidden=16, head_d
 ICL_PARITY = over(dict(d=4, k=2, N=8, p_T=0.1, batch_size=16, num_val=32, num_test=32), dict(heads=4))
 XOR = over(dict(d=16, batch_size=64, num_val=64, num_test=64), dict(width=4))
 ERM_NU = over(dict(r=4, d=16, gamma=0.4, batch_size=32, num_val=64, num_test=64, num_ood=64))
+GEMFILTER = over(dict(context=64, train_context=32, pairs=4, queries=2, fillers=8, keys=16, values=8, batch_size=8,
+                      num_val=16, num_test=16),
+                 dict(layers=2, heads=2, head_dim=8, hidden=16, mlp_hidden=32, rope_dims=4, val_budgets="[8, 16]"))
 BLOCK_PARITY = over(dict(d=16, k=3, batch_size=64, num_val=64, num_test=64), dict(width=4))
 ICL = over(dict(d=4, N=8, batch_size=16, num_val=32, num_test=32, eval_examples=6), dict(rank=2))
 LOOPED = over(dict(d=3, n=6, batch_size=16, num_val=32, num_test=32), dict(loops=3))

@@ -33,7 +33,7 @@ from featlearn.bench.steps import module_step
 from featlearn.cli import make_cli
 from featlearn.kernels import bn_cosine_loss
 
-from tiny_sizes import BLOCK_PARITY, ERM_NU, HIDDEN, ICL, ICL_PARITY, LOOPED, XOR, MODADD, MRP, PARITY, PATCHES, SPARSE, TRANSFORMER, VIT, over
+from tiny_sizes import BLOCK_PARITY, ERM_NU, GEMFILTER, HIDDEN, ICL, ICL_PARITY, LOOPED, XOR, MODADD, MRP, PARITY, PATCHES, SPARSE, TRANSFORMER, VIT, over
 
 pytestmark = pytest.mark.gpu
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -46,7 +46,10 @@ STEP_RTOL = {torch.float32: 1e-4, torch.float64: 1e-9}
 # at z0 = +-1, so the few z0 that float32 rounding puts on the other side flip their slope. Measured on an
 # H100 (torch 2.11): 1.2e-4 of b's change; the CPU reproduces it exactly with z0 summed in sequence (3.12e-6
 # against a change of 2.69e-2), and gets 1e-7 with MKL's order. A float32 rounding effect, not a bug: 1e-3.
-STEP_RTOL_OF = {"two_layer_ntk": {torch.float32: 1e-3}}
+# ch. 9's decoder at its start: the answer's gradient is a sum with heavy cancellation (median |g| 1e-6 to 1e-5 of
+# weights ~0.3), so float32 gets it to 2-4e-4 relative on the CPU, and AdamW's first step (lr g / |g|) passes that
+# on to elements near 0: 1.1e-3 to 4.6e-3 of the change, measured on the CPU in dry mode (2026-11-28).
+STEP_RTOL_OF = {"two_layer_ntk": {torch.float32: 1e-3}, "gemfilter": {torch.float32: 1e-2}}
 # plus rounding of the stored values: a few ulps of the tensor's norm (the update may be far smaller)
 ULPS = 8
 T = dict(steps=600)  # the schedule's T: the config's trainer.max_steps (no Trainer here)
@@ -79,7 +82,8 @@ METHODS = {
     "icl_parity": ("icl_scale/parity.yaml", ICL_PARITY),  # ch. 5: heads, ReLU, hinge
     "gradient_features": ("gradient_features/xor.yaml", XOR),  # ch. 3: two GEMMs, ReLU, step 1's exact reset
     "gradient_features_parity": ("gradient_features/parity.yaml", BLOCK_PARITY),  # the same on structured parity
-    "erm_nu": ("erm_nu/theory.yaml", ERM_NU),  # ch. 6: the nuclear norm of the batch features (an SVD)
+    "erm_nu": ("erm_nu/theory.yaml", ERM_NU),
+    "gemfilter": ("gemfilter/retrieval.yaml", GEMFILTER),  # ch. 9: a small decoder (SDPA, RoPE, depthwise conv)  # ch. 6: the nuclear norm of the batch features (an SVD)
 }
 # the 1-rank DDP run: at one rank the methods skip their own collectives (world size 1), so what it checks
 # is DDP itself on nccl around the fused ops: the initial broadcast of parameters and buffers and the
