@@ -79,9 +79,9 @@ def test_the_first_gradient_points_along_a_block_for_aligned_neurons():
         assert float(model(b["x"][:50]).abs().max()) < 1e-6
 
 
-def _fit(features, tmp_path):
+def _fit(features, tmp_path, steps):
     cli = make_cli(["--config", "configs/gradient_features/parity.yaml", "--trainer.logger", "false",
-                    "--trainer.enable_progress_bar", "false", "--trainer.max_steps", "600",
+                    "--trainer.enable_progress_bar", "false", "--trainer.max_steps", str(steps),
                     "--trainer.val_check_interval", "50", "--trainer.default_root_dir", str(tmp_path),
                     "--model.features", features], run=False)
     cli.trainer.callbacks.append(KeepBestOnValidation("val/error", "min"))
@@ -95,7 +95,8 @@ def test_headline_network_learns_structured_parity_where_the_ntk_does_not(tmp_pa
     # d = 64, r = 1, k = 5, p_A = 1/4, the best of 600 steps on validation, step size 0.1. The network's best step
     # moves between the parity's levels (0, 7.7%, 15.3% error) from seed to seed (experiment, seeds 0-2: 0, 0.077,
     # 0); the NTK stays at the linear read of the block (15.6%): assert a gap every seed shows, not seed 0's zero.
-    errors = {f: _fit(f, tmp_path) for f in ("learned", "ntk")}
+    # The NTK gets 200 steps: it sits at the linear read from there on (experiment: 600 steps, two step sizes).
+    errors = {f: _fit(f, tmp_path, steps) for f, steps in (("learned", 600), ("ntk", 200))}
     assert errors["learned"] < 0.08 and errors["ntk"] > errors["learned"] + 0.05, errors
 
 

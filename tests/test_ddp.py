@@ -186,7 +186,8 @@ def test_vit_logged_run_ends_on_two_processes_with_the_one_process_results(tmp_p
         assert double[tag] == pytest.approx(value, rel=1e-4, abs=1e-6), tag
 
 
-@pytest.mark.parametrize("name, prefix", [("contrastive", ""), ("mrp_teacher_student", ""), ("erm_nu", "")])
+@pytest.mark.parametrize("name, prefix", [("contrastive", ""), ("mrp_teacher_student", ""),
+                                          pytest.param("erm_nu", "", marks=pytest.mark.slow)])
 def test_logged_batch_metrics_are_the_global_batchs(tmp_path, name, prefix):
     """Batch-mean training metrics (losses, firing rates, positive-pair probabilities) logged on two processes
     are those of the global batch, as one process with the doubled batch logs them: each rank's mean over its
