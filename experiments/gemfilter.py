@@ -33,6 +33,7 @@ from featlearn.datamodules.kv_retrieval import KVRetrievalDataModule
 from featlearn.experiments.common import (checked, experiment_parser, markdown_table, mean_range,
                                           parse_experiment_args, quiet_lightning)
 from featlearn.experiments.study import Run, Study
+from featlearn.lightning_modules.retrieval_decoder import needle_hits
 from featlearn.metrics.figures import curves_figure
 
 DEPTHS = [i / 10 for i in range(11)]
@@ -149,7 +150,7 @@ def scores(model, batch: dict, budgets: list[int]) -> dict:
                         add(f"{name}_recall", out["recall"])
                     if name == "gemfilter":
                         idx = out["indices"]
-                        add("both", (idx.unsqueeze(2) == needle.unsqueeze(1)).any(1).all(1))
+                        add("both", needle_hits(idx, needle).all(1))
                         add("question_kept", idx[:, -1] == tokens.shape[1] - 1)
                         for d in depth.unique().tolist():
                             cell = by_depth.setdefault(f"r{r}_k{k}", {}).setdefault(f"{d:.1f}", [0.0, 0])

@@ -57,6 +57,11 @@ from featlearn.validation import NonNegativeFloat, NonNegativeInt, PositiveFloat
 ROWS = ("last", "middle", "largest_l2")
 
 
+def needle_hits(indices: torch.Tensor, needle: torch.Tensor) -> torch.Tensor:
+    """Which of the needle's positions ``needle [B, m]`` the selected ``indices [B, k]`` hold: ``[B, m]`` bool."""
+    return (indices.unsqueeze(2) == needle.unsqueeze(1)).any(1)
+
+
 def rope(x: torch.Tensor, positions: torch.Tensor, base: float, dims: int | None = None) -> torch.Tensor:
     """Rotary embedding of the first ``dims`` (even; default all) coordinates of ``x [B, H, n, D]`` at ``positions``
     (``[n]`` or ``[B, n]``), rotate-half form; the other coordinates are left as they are (partial RoPE)."""
@@ -255,7 +260,7 @@ class RetrievalDecoder(FeatureLearningModule):
             logits = self.one_run(tokens, indices, cache) if one_run else self.second_pass(tokens, indices)
         out = {"logits": logits, "indices": indices}
         if needle is not None:
-            out["recall"] = (indices.unsqueeze(2) == needle.unsqueeze(1)).any(1).float().mean(1)
+            out["recall"] = needle_hits(indices, needle).float().mean(1)
         return out
 
     def second_pass(self, tokens: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
@@ -293,9 +298,9 @@ class RetrievalDecoder(FeatureLearningModule):
         with torch.no_grad():
             h, record = self.run(tokens, keep="qk")
             logits = self.head(self.norm(h[:, -1]))
-            found = lambda idx: (idx.unsqueeze(2) == needle.unsqueeze(1)).any(1).float().mean()
-            recall = torch.stack([torch.stack([found(select_tokens(q[:, :, -1], keys, k, hp.pool_kernel))
-                                               for k in self.budgets]) for q, keys in record])
+            found = lambda idx: needle_hits(idx, needle).float().mean()
+            layer_scores = [selection_scores(q[:, :, -1], keys, hp.pool_kernel) for q, keys in record]  # once a layer
+            recall = torch.stack([torch.stack([found(sorted_top_k(s, k)) for k in self.budgets]) for s in layer_scores])
             prefix = dict(enumerate(record))
             second = self.gemfilter(tokens, hp.val_layer, self.budgets[0], prefix=prefix)["logits"]
         log = lambda name, value: self.log(name, value, batch_size=B, sync_dist=True)
