@@ -45,7 +45,8 @@ from featlearn.kernels.soft_threshold import soft_threshold_layer
 from featlearn.lightning_modules.base import FeatureLearningModule
 from featlearn.lightning_modules.contrastive_regularization import ContrastiveRegularization
 from featlearn.metrics.probes import SplitBuffer, all_gather_cat
-from featlearn.theory.contrastive import EVAL_KEYS, downstream_metrics, feature_metrics, feature_scalars, grown_bias
+from featlearn.theory.contrastive import (EVAL_KEYS, advance_stages, downstream_metrics, feature_metrics, feature_scalars,
+                                          grown_bias)
 from featlearn.validation import NonNegativeFloat, PositiveFloat, PositiveInt, check_args, check_memory, int_at_least
 
 __all__ = ["ContrastiveModule", "tags"]
@@ -126,8 +127,8 @@ class ContrastiveModule(FeatureLearningModule):
                               f"model.{'cr_reference' if missing == 'cr_gamma' else 'cr_gamma'}", None)
         super().__init__()
         self.save_hyperparameters()
-        self.T1: int | None = None
-        self.T2: int | None = None
+        # the stage clocks T1, T2 on the device (-1: not yet): a step never waits for the host
+        self.register_buffer("stage_steps", torch.full((2,), -1, dtype=torch.long), persistent=False)
         self._splits = SplitBuffer(EVAL_KEYS)
         self.val_metrics: dict[str, float] = {}
         self.test_metrics: dict[str, float] = {}
@@ -245,26 +246,26 @@ class ContrastiveModule(FeatureLearningModule):
         norm = w.norm(dim=1)
         rho = ((w @ self.M) ** 2).sum(1) / (norm ** 2).clamp_min(1e-30)
         torch.maximum(self.rho_peak, rho.mean(), out=self.rho_peak)
-        if self.T1 is None and float(rho.min()) >= 0.5:  # the stage clocks need the host, until they fire
-            self.T1 = step
-            self.norm_T1.copy_(norm)
-        reset = step == (hp.bias_reset_step if hp.bias_reset_step is not None else self.T1)
-        if hp.bias_mode == "schedule" and reset:
-            self.bias.copy_(hp.bias_reset_mult * math.sqrt(2 * math.log(self.d) / self.d) * norm)
-        elif hp.bias_mode == "schedule" and self._prev_norm is not None:  # a no-op while b = 0 (before the reset)
-            self.bias.copy_(grown_bias(self.bias, norm, self._prev_norm, hp.bias_min_rate_mult * hp.lr / self.d,
-                                       self.kappa_b))
+        at_t1 = advance_stages(self.stage_steps, self.norm_T1, rho, norm, self.d, step)
+        if hp.bias_mode == "schedule":  # the reset at T1, else the growth (a no-op while b = 0, before the reset)
+            reset = at_t1 if hp.bias_reset_step is None else step == hp.bias_reset_step  # a tensor or a bool
+            grown = self.bias if self._prev_norm is None or reset is True else grown_bias(
+                self.bias, norm, self._prev_norm, hp.bias_min_rate_mult * hp.lr / self.d, self.kappa_b)
+            reset_bias = hp.bias_reset_mult * math.sqrt(2 * math.log(self.d) / self.d) * norm
+            self.bias.copy_(torch.where(reset, reset_bias, grown) if torch.is_tensor(reset) else reset_bias if reset else grown)
         if hp.bias_mode == "learned" and hp.clamp_bias_nonneg:
             self.bias.clamp_(min=0.0)
         if self.cr is not None:
             self.cr.project_({"w": self.w})
-        if self.T1 is not None and self.T2 is None:
-            if float((norm ** 2 / self.norm_T1.clamp_min(1e-30) ** 2).max()) >= self.d:
-                self.T2 = step
         if self._trainer is not None and self.theory_due():
             self.log_dict(tags("theory", self.theory_metrics()), on_step=True, on_epoch=False)
             if self.global_step // self.trainer.log_every_n_steps % 4 == 0:  # every 4th theory step
                 self._log_histograms()
+
+    def _stage(self, i: int) -> int | None:
+        return None if int(self.stage_steps[i]) < 0 else int(self.stage_steps[i])
+    T1 = property(lambda self: self._stage(0), doc="The step at which stage II began, None before it (a host read).")
+    T2 = property(lambda self: self._stage(1), doc="The step at which stage III began, None before it.")
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["contrastive_stages"] = {"T1": self.T1, "T2": self.T2, "rho_peak": float(self.rho_peak)}
@@ -272,7 +273,7 @@ class ContrastiveModule(FeatureLearningModule):
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         super().on_load_checkpoint(checkpoint)
         st = checkpoint.get("contrastive_stages", {})
-        self.T1, self.T2 = st.get("T1"), st.get("T2")
+        self.stage_steps.copy_(torch.tensor([-1 if st.get(t) is None else st[t] for t in ("T1", "T2")]))
         self.rho_peak.fill_(st.get("rho_peak", 0.0))
 
     def _log_histograms(self) -> None:
@@ -293,9 +294,9 @@ class ContrastiveModule(FeatureLearningModule):
         scalars["bias/mean"] = self.bias.detach().mean()
         values = torch.stack([v.float() for v in scalars.values()]).tolist()
         out = dict(zip(scalars, values))
-        out["stage/id"] = 1.0 if self.T1 is None else (2.0 if self.T2 is None else 3.0)
-        out.update({f"stage/{name}": float(t) for name, t in (("T1", self.T1), ("T2", self.T2)) if t is not None})
-        return out
+        t1, t2 = self.T1, self.T2
+        out["stage/id"] = 1.0 if t1 is None else (2.0 if t2 is None else 3.0)
+        return {**out, **{f"stage/{name}": float(t) for name, t in (("T1", t1), ("T2", t2)) if t is not None}}
 
     # evaluation: probes and representation geometry on the fixed val/test splits, arriving as batches
     def validation_step(self, batch: dict, batch_idx: int) -> None:
@@ -320,8 +321,7 @@ class ContrastiveModule(FeatureLearningModule):
         return downstream_metrics(self, train, test, self.hparams.probe_ridge, self.hparams.probe_max_samples)
 
     def summary(self) -> dict[str, float]:
-        """Final metrics for tables, after ``trainer.test``: feature metrics, stages, probes (fit on val, scored
-        on test)."""
+        """Final metrics for tables, after ``trainer.test``: feature metrics, stages, probes (fit on val, scored on test)."""
         if not self.test_metrics:
             raise RuntimeError("ContrastiveModule.summary: run trainer.test(model, datamodule=dm) first")
         return {**self.test_metrics, "stage/T1": float("nan") if self.T1 is None else float(self.T1),

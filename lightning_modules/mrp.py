@@ -64,6 +64,8 @@ class _MaskedPretraining(MultiViewEncoder):
         super().__init__(lr=lr, **encoder)
         self.theta, self.norm_cap = theta, norm_cap
         self.stop_after_capture, self.mask_seed = stop_after_capture, mask_seed
+        self._stop_step: int | None = None  # the step the run ends at, once every feature is captured
+        self._capture_read_at: int | None = None  # the step at which the capture steps were last read
 
     def build(self, dm) -> None:
         super().build(dm)
@@ -82,12 +84,28 @@ class _MaskedPretraining(MultiViewEncoder):
             self.weight.mul_((self.norm_cap / norms).clamp(max=1.0))
         self.record_capture(step)
         self.log_theory()
-        if self.stop_after_capture is not None:
-            # One host read per step, as the stop must come at the exact step; derived from the checkpointed
-            # buffer, so a resumed run stops at the same step.
-            first = self.first_capture_step
-            if bool((first >= 0).all() & (step - first.max() >= self.stop_after_capture)):
-                self.trainer.should_stop = True
+        if self.stop_after_capture is not None and self.capture_stop_due(step):
+            self.trainer.should_stop = True
+
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        self._stop_step = self._capture_read_at = None  # a new fit of this module reads the captures afresh
+
+    def capture_stop_due(self, step: int) -> bool:
+        """Whether pretraining ends at ``step``: ``stop_after_capture`` steps after the step at which the last
+        feature was first captured. The capture steps are read on the host at the first step of a (resumed)
+        run and then at the multiples of ``min(log_every_n_steps, stop_after_capture + 1)`` (by default the
+        steps Lightning logs, which read the host anyway), not every step, and the stop is still exact: a
+        capture after one read ends the run no sooner than ``stop_after_capture`` steps later, by which time
+        the next read has seen it. Derived from the
+        checkpointed buffer, so a resumed run stops at the same step."""
+        if self._stop_step is None:
+            every = max(1, min(self.trainer.log_every_n_steps, self.stop_after_capture + 1))
+            if self._capture_read_at is None or step % every == 0:
+                self._capture_read_at, first = step, self.first_capture_step.tolist()
+                if min(first) >= 0:
+                    self._stop_step = max(first) + self.stop_after_capture
+        return self._stop_step is not None and step >= self._stop_step
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=self.lr)

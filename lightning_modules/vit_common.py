@@ -118,6 +118,10 @@ class GlobalLocalViT(FeatureLearningModule):
         self.register_ground_truth("E", dm.E)
         self.register_ground_truth("V", dm.V)
         self.register_ground_truth("partition", dm.partition)
+        # the flat positions of the local (cluster, position) pairs of phi_parts' [K, P] tensors, row-major:
+        # indexing with them selects what the `local` mask does, in the same order, without the host sync
+        # that a boolean-mask index makes on a GPU (it needs the mask's count) in the per-step tracking
+        self.register_ground_truth("local_positions", (dm.partition > 0).flatten().nonzero().squeeze(1))
         # positions sorted by their area in cluster 0: the heat maps' row order
         self.register_ground_truth("row_order", torch.argsort(dm.partition[0], stable=True))
         # grid coordinates for the attention diversity of Huang et al. 2025, App. B (grid layout only)
@@ -169,13 +173,13 @@ class GlobalLocalViT(FeatureLearningModule):
     @torch.no_grad()
     def track_phi(self, step: int) -> None:
         """Running minimum of ``phi_local_to_global`` and its step, on the device (no host sync)."""
-        parts = self.phi_parts()
-        now = parts["glob"][parts["local"]].mean().to(torch.float64)
+        parts, local = self.phi_parts(), self.local_positions
+        now = parts["glob"].flatten()[local].mean().to(torch.float64)
         lower = now < self.phi_l2g_min
         self.phi_l2g_min.copy_(torch.where(lower, now, self.phi_l2g_min))
         self.phi_l2g_argmin.copy_(torch.where(lower, torch.full_like(now, float(step)), self.phi_l2g_argmin))
         if step == 1:  # eta alpha^(0): how far the first step moved the local own-area correlation
-            self.phi_local_own_step1.copy_(parts["own"][parts["local"]].mean())
+            self.phi_local_own_step1.copy_(parts["own"].flatten()[local].mean())
 
     def heatmaps(self) -> dict[str, torch.Tensor]:
         return {"correlation": self.correlations()[self.row_order]}

@@ -35,6 +35,7 @@ import pytest
 import torch
 import yaml
 
+from host_syncs import record_syncs
 from tiny_sizes import ERM_NU, GEMFILTER, HIDDEN, ICL, ICL_PARITY, LOOPED, XOR, MODADD, MRP, PARITY, PATCHES, SPARSE, TRANSFORMER, VIT, over
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -130,6 +131,7 @@ def fit_all(logdir: Path) -> dict:
     with pytest.MonkeyPatch.context() as mp, warnings.catch_warnings():
         warnings.simplefilter("ignore")
         recorder.install(mp)
+        watched = record_syncs(mp)
         for key, (config, tiny, *_) in METHODS.items():
             args = ["fit", "--config", str(CONFIGS / config), *tiny, "--trainer.max_steps", str(STEPS),
                     "--trainer.log_every_n_steps", str(EVERY), "--trainer.accelerator", "cpu",
@@ -148,7 +150,8 @@ def fit_all(logdir: Path) -> dict:
             params, final = recorder.hparams.get(log_dir, ({}, {}))
             done[key] = {"name": Path(log_dir).relative_to(logdir).as_posix(),  # TensorBoard's run name
                          "global_step": cli.trainer.global_step, "metrics": recorder.metrics[log_dir],
-                         "params": params, "final": final}
+                         "params": params, "final": final,
+                         "host_syncs": {"steps": 0, "syncs": {}, **watched.get(id(cli.model), {})}}
     return done
 
 
@@ -158,6 +161,7 @@ class Run:
         self.name, self.global_step = record["name"], record["global_step"]
         self.metrics = record["metrics"]  # [(step, {tag: value})] as handed to the logger
         self.params, self.final = record["params"], record["final"]  # the hparams row and its hp/ results
+        self.host_syncs = record["host_syncs"]  # steps watched and the host syncs found in them (host_syncs.py)
 
     def series(self, tag) -> list[tuple[int, float]]:
         return [(step, values[tag]) for step, values in self.metrics if tag in values]
@@ -443,3 +447,13 @@ def test_metric_names_follow_one_scheme(runs, scalar_tags, key):
     run = run_of(runs, key)
     odd = sorted(t for t in scalar_tags.get(run.name, {}) if t != "epoch" and not METRIC_NAME.fullmatch(t))
     assert not odd, f"{run.name}: tags outside the scheme {METRIC_NAME.pattern}: {odd}"
+
+
+@pytest.mark.parametrize("key", list(METHODS))
+def test_no_host_sync_between_logging_steps(runs, key):
+    """A training step that logs nothing (here step 2 of 4, logging every 2) reads nothing from the device
+    (tests/host_syncs.py: .item(), float(), bool(), .tolist(), boolean-mask indexing, nonzero, ...): on a GPU
+    such a read makes the host wait for the device every step (docs/gpu.md), and it rules out CUDA graphs."""
+    watched = run_of(runs, key).host_syncs
+    assert watched["steps"] >= 1, "no step was watched: the hooks of tests/host_syncs.py did not run"
+    assert not watched["syncs"], f"{key}: host syncs in a step that logs nothing: {sorted(watched['syncs'])}"

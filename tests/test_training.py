@@ -70,6 +70,30 @@ def test_resumed_run_stops_at_the_same_step_after_capture(tmp_path):
     assert run(1000, ckpt=tmp_path / "after_capture.ckpt") == (end, captured)
 
 
+@pytest.mark.parametrize("after, every", [(0, 1), (1, 7), (4, 50), (12, 5)])
+def test_stop_after_capture_is_exact_without_a_read_per_step(tmp_path, after, every):
+    """The stop comes exactly ``after`` steps after the last capture, with the capture steps read on the host
+    at the multiples of min(log_every_n_steps, after + 1), not every step."""
+    reads = []
+
+    class Counting(TeacherStudentMRP):
+        def capture_stop_due(self, step):
+            due = super().capture_stop_due(step)
+            if self._capture_read_at == step:
+                reads.append(step)
+            return due
+
+    L.seed_everything(0)
+    model = Counting(m=5, sigma0=0.02, lr=10.0, stop_after_capture=after, backend="torch")
+    t = trainer(tmp_path, 1000, enable_checkpointing=False, log_every_n_steps=every)
+    t.fit(model, small_data())
+    captured = int(model.first_capture_step.max())
+    assert t.global_step == captured + after                         # the exact step, not a read later
+    spacing = min(every, after + 1)
+    assert reads[0] == 1 and all(r % spacing == 0 for r in reads[1:])  # the first step, then the multiples
+    assert len(reads) <= captured // spacing + 2
+
+
 def test_nan_loss_stops_before_the_step_and_keeps_last_good_checkpoint(tmp_path):
     L.seed_everything(0)
     model = TeacherStudentMRP(m=2, sigma0=0.5, lr=1e6, norm_cap=None, backend="torch")

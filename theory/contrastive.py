@@ -43,6 +43,26 @@ def grown_bias(bias: torch.Tensor, norm: torch.Tensor, prev_norm: torch.Tensor, 
     return torch.where(bias < cap, torch.minimum(bias * (1 + rate), cap), cap)
 
 
+def advance_stages(stages: torch.Tensor, norm_T1: torch.Tensor, rho: torch.Tensor, norm: torch.Tensor, d: int,
+                   step: int) -> torch.Tensor:
+    """The stage clocks of Wen & Li 2021 after ``step``, in place and on the device (no host sync): ``stages =
+    [T1, T2]`` (-1: not yet) and ``norm_T1`` (each ``||w_i||`` at T1). T1 is the first step with ``min_i rho_i
+    >= 1/2``; T2 the first after it with ``max_i ||w_i||^2 / ||w_i(T1)||^2 >= d``. Returns whether T1 is
+    ``step`` (a bool tensor: the bias schedule's reset).
+
+    Example:
+        >>> stages, norm_T1 = torch.tensor([-1, -1]), torch.zeros(2)
+        >>> bool(advance_stages(stages, norm_T1, torch.tensor([0.6, 0.5]), torch.ones(2), 4, 7)), stages.tolist()
+        (True, [7, -1])
+    """
+    at_t1 = (stages[0] < 0) & (rho.min() >= 0.5)
+    stages[0] = torch.where(at_t1, step, stages[0])
+    norm_T1.copy_(torch.where(at_t1, norm, norm_T1))
+    at_t2 = (stages[0] >= 0) & (stages[1] < 0) & ((norm ** 2 / norm_T1.clamp_min(1e-30) ** 2).max() >= d)
+    stages[1] = torch.where(at_t2, step, stages[1])
+    return at_t1
+
+
 def active_threshold(bias: torch.Tensor, norm: torch.Tensor, d: int) -> torch.Tensor:
     """Per-neuron threshold of the active sets ``N_i = {j : |alpha_ij| >= max(b_i, sqrt(2 log d/d) ||w_i||)}``.
 
