@@ -84,7 +84,7 @@ class _MaskedPretraining(MultiViewEncoder):
             self.weight.mul_((self.norm_cap / norms).clamp(max=1.0))
         self.record_capture(step)
         self.log_theory()
-        if self.stop_after_capture is not None and self.capture_stop_due(step):
+        if self.stop_after_capture is not None and self._trainer is not None and self.capture_stop_due(step):
             self.trainer.should_stop = True
 
     def on_train_start(self) -> None:
