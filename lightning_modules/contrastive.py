@@ -248,11 +248,11 @@ class ContrastiveModule(FeatureLearningModule):
         torch.maximum(self.rho_peak, rho.mean(), out=self.rho_peak)
         at_t1 = advance_stages(self.stage_steps, self.norm_T1, rho, norm, self.d, step)
         if hp.bias_mode == "schedule":  # the reset at T1, else the growth (a no-op while b = 0, before the reset)
-            reset = at_t1 if hp.bias_reset_step is None else step == hp.bias_reset_step  # a tensor or a bool
-            grown = self.bias if self._prev_norm is None or reset is True else grown_bias(
+            grown = self.bias if self._prev_norm is None else grown_bias(
                 self.bias, norm, self._prev_norm, hp.bias_min_rate_mult * hp.lr / self.d, self.kappa_b)
-            reset_bias = hp.bias_reset_mult * math.sqrt(2 * math.log(self.d) / self.d) * norm
-            self.bias.copy_(torch.where(reset, reset_bias, grown) if torch.is_tensor(reset) else reset_bias if reset else grown)
+            reset = hp.bias_reset_mult * math.sqrt(2 * math.log(self.d) / self.d) * norm
+            self.bias.copy_(torch.where(at_t1, reset, grown) if hp.bias_reset_step is None  # at T1, on the device
+                            else reset if step == hp.bias_reset_step else grown)
         if hp.bias_mode == "learned" and hp.clamp_bias_nonneg:
             self.bias.clamp_(min=0.0)
         if self.cr is not None:
@@ -263,7 +263,7 @@ class ContrastiveModule(FeatureLearningModule):
                 self._log_histograms()
 
     def _stage(self, i: int) -> int | None:
-        return None if int(self.stage_steps[i]) < 0 else int(self.stage_steps[i])
+        return None if (step := int(self.stage_steps[i])) < 0 else step
     T1 = property(lambda self: self._stage(0), doc="The step at which stage II began, None before it (a host read).")
     T2 = property(lambda self: self._stage(1), doc="The step at which stage III began, None before it.")
 

@@ -97,8 +97,7 @@ class _MaskedPretraining(MultiViewEncoder):
         run and then at the multiples of ``min(log_every_n_steps, stop_after_capture + 1)`` (by default the
         steps Lightning logs, which read the host anyway), not every step, and the stop is still exact: a
         capture after one read ends the run no sooner than ``stop_after_capture`` steps later, by which time
-        the next read has seen it. Derived from the
-        checkpointed buffer, so a resumed run stops at the same step."""
+        the next read has seen it. Derived from the checkpointed buffer, so a resumed run stops at the same step."""
         if self._stop_step is None:
             every = max(1, min(self.trainer.log_every_n_steps, self.stop_after_capture + 1))
             if self._capture_read_at is None or step % every == 0:

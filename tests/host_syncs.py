@@ -1,8 +1,8 @@
 """Find the host syncs of a training step on the CPU: the calls that, on a GPU, would make the host wait for the
-device (``.item()``, ``float(t)``, ``bool(t)``, ``.tolist()``, a boolean-mask index, ``nonzero``). A copy to
-the CPU (``.cpu()``, ``.to("cpu")``) cannot be told from a no-op here and is not looked for.
-On the CPU they cost nothing, so only their presence can be checked here; this is what keeps the steps free of
-them (docs/gpu.md: no host sync per training step) until a GPU can show it with ``torch.cuda.set_sync_debug_mode``.
+device (``.item()``, ``float(t)``, ``bool(t)``, ``.tolist()``, a boolean-mask index, ``nonzero``). On the CPU
+they cost nothing, so only their presence can be checked here; this is what keeps the steps free of them
+(docs/gpu.md: no host sync per training step) until a GPU can show it with ``torch.cuda.set_sync_debug_mode``.
+A copy to the CPU (``.cpu()``, ``.to("cpu")``) cannot be told from a no-op on a CPU run and is not looked for.
 
 :func:`record_syncs` patches :class:`~featlearn.lightning_modules.base.FeatureLearningModule`'s batch hooks, so
 that the work between a step's ``on_train_batch_start`` and ``on_train_batch_end`` (training step, backward,
