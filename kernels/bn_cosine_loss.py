@@ -360,18 +360,22 @@ def _want_sync(sync: bool | None, group) -> bool:
     return bool(sync)
 
 
-def _bn_loss_and_coefficients(n, stats: torch.Tensor, eps: float):
-    """The bn loss and the backward's ``[5, m]`` coefficients (mu_F, mu_G, A, B, A') without grad_output,
-    from the column statistics; float64, about 20 small ops on [m]-sized tensors (see module docstring)."""
-    m = stats.shape[1]
+def _bn_loss(n, stats: torch.Tensor, eps: float):
+    """The bn loss from the column statistics, and its terms ``a`` (a_F, a_G), ``ab``, ``rho``, ``r``."""
     var = stats[2:4] / n  # var F, var G
     v = var + eps
     a = v.rsqrt()  # a_F, a_G
     ab = a[0] * a[1]
     rho = stats[4] / n * ab
     r = var / v
-    loss = torch.sub(r.sum(), rho.sum(), alpha=2.0) / m
-    k = 2.0 / (m * n)
+    return torch.sub(r.sum(), rho.sum(), alpha=2.0) / stats.shape[1], (a, ab, rho, r)
+
+
+def _bn_loss_and_coefficients(n, stats: torch.Tensor, eps: float):
+    """The bn loss and the backward's ``[5, m]`` coefficients (mu_F, mu_G, A, B, A') without grad_output,
+    from the column statistics; float64, about 20 small ops on [m]-sized tensors (see module docstring)."""
+    loss, (a, ab, rho, r) = _bn_loss(n, stats, eps)
+    k = 2.0 / (stats.shape[1] * n)
     diag = (1.0 - r + rho).mul_(a * a).mul_(k)  # A, A'
     return loss, torch.cat([stats[:2], diag[:1], (ab * k)[None], diag[1:]])
 
@@ -446,6 +450,18 @@ def _check_rows(op, p, out_norm, sync):
         raise KernelInputError(op, "p", f"has {n} row{'' if n == 1 else 's'}", requirement, n)
 
 
+def _bn_cosine_traced(p, z, out_norm: str, eps: float) -> torch.Tensor:
+    """The loss as differentiable PyTorch, the forward's float64 statistics and formulas, autograd's backward:
+    what ``torch.compile`` traces (a module's compiled loss). Dynamo's trace of the autograd.Function gave
+    gradients of 0 on torch 2.11 with CUDA, values right (the GPU tests' compiled step, 2026-11-28); the
+    CPU on torch 2.13 agreed. Unsynced only: the all-gather has no autograd (compile is refused with seeds,
+    and DDP keeps the Function)."""
+    n = float(p.shape[0])
+    if out_norm == "l2":
+        return (_bn_cosine_fwd_torch(p, z, "l2", eps) / n).to(p.dtype)
+    return _bn_loss(n, _bn_cosine_fwd_torch(p, z, "bn", 0.0), eps)[0].to(p.dtype)
+
+
 @kb.profiled
 def bn_cosine_loss(p: torch.Tensor, z: torch.Tensor, *, out_norm: str = "bn", eps: float = 0.0,
                    sync: bool | None = None, group=None, backend: str = "auto") -> torch.Tensor:
@@ -476,6 +492,8 @@ def bn_cosine_loss(p: torch.Tensor, z: torch.Tensor, *, out_norm: str = "bn", ep
     _check_rows("bn_cosine_loss", p, out_norm, sync)
     if not z.requires_grad:
         z = z.detach()
+    if torch.compiler.is_compiling() and not sync:
+        return _bn_cosine_traced(p, z, out_norm, float(eps))
     if backend == "triton":
         p, z = contiguous(p, z)
     return BNCosineLossFunction.apply(p, z, out_norm, float(eps), backend, sync, group)

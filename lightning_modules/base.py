@@ -136,13 +136,15 @@ class FeatureLearningModule(L.LightningModule):
             return device == "cpu" and self.compile_pays_after is not None and steps >= self.compile_pays_after
         return wanted
 
-    def compile_loss(self) -> None:
-        """Replace this module's :attr:`compiled_loss` by its ``torch.compile`` (once). Automatic dynamic: a
-        float argument that changes (a scale) is traced as a symbol after its first change, not recompiled at
-        each value. Backend ``auto`` takes the PyTorch form of the fused ops while it is traced."""
+    def compile_loss(self, compiler: str = "inductor") -> None:
+        """Replace this module's :attr:`compiled_loss` by its ``torch.compile`` (once) with ``compiler`` (the
+        ``torch.compile`` backend; the GPU tests take ``aot_eager``: the same traced graphs without inductor's
+        compile time). Automatic dynamic: a float argument that changes (a scale) is traced as a symbol after
+        its first change, not recompiled at each value. Backend ``auto`` takes the PyTorch form of the fused
+        ops while it is traced."""
         name = self.compiled_loss
         if name is not None and name not in self.__dict__:
-            self.__dict__[name] = torch.compile(getattr(self, name))
+            self.__dict__[name] = torch.compile(getattr(self, name), backend=compiler)
 
     def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:
         self.prepare_step(optimizer)

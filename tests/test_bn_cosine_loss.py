@@ -195,3 +195,29 @@ def test_column_stats_follow_the_dtype_policy():
         bn_column_stats(p.half(), z.half(), backend="torch")
     with pytest.raises(KernelInputError, match=r"^bn_column_stats: z has dtype torch.float64 but p has"):
         bn_column_stats(p, z.double(), backend="torch")
+
+
+@pytest.mark.parametrize("out_norm", ["bn", "l2"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+def test_traced_loss_equals_the_function(out_norm, dtype, monkeypatch):
+    """Under ``torch.compile`` (a module's compiled loss) the loss is differentiable PyTorch, not the
+    autograd.Function (whose dynamo trace gave zero gradients on torch 2.11 CUDA): same loss, same gradients
+    of p and of a z that wants one, and the Function is never applied there."""
+    p0, z0 = _pair(37, 5, dtype, offset=3.0)
+    eager = []
+    for compiled in (False, True):
+        p, z = p0.clone().requires_grad_(True), z0.clone().requires_grad_(True)
+        if compiled:
+            def refuse(*args):  # dynamo traces forward's code (not apply's), so forward is what refuses
+                raise AssertionError("the autograd.Function was traced")
+            monkeypatch.setattr(K.BNCosineLossFunction, "forward", staticmethod(refuse))
+            torch._dynamo.reset()
+        loss_fn = torch.compile(bn_cosine_loss, backend="eager", fullgraph=True) if compiled else bn_cosine_loss
+        loss = loss_fn(p, z, out_norm=out_norm, eps=0.25, backend="torch")
+        got = (loss.detach(), *torch.autograd.grad(loss, (p, z)))
+        if not compiled:
+            eager = got
+    assert got[0].dtype == dtype
+    for name, a, b in zip(("loss", "grad p", "grad z"), got, eager):
+        err = float((a - b).double().norm() / b.double().norm())
+        assert err <= (TOL if name == "loss" else GRAD_TOL)[dtype], f"{name}: relative error {err:.1e}"
