@@ -199,6 +199,14 @@ class SyntheticDataModule(L.LightningDataModule):
             return dict(data)
         return {k: v[index] for k, v in data.items()}
 
+    def sample_seeds(self, members: list, index: torch.Tensor, split: str) -> dict[str, torch.Tensor] | None:
+        """The online samples of several DataModules of this class and arguments but their seeds (``members``,
+        this one among them) in one call: each tensor ``[S, ...]``, row ``s`` what ``members[s].sample(index,
+        split)`` gives (the samplers of :mod:`~featlearn.datamodules.rng` take a tensor of seeds), for a class
+        whose :meth:`batch` adds nothing to an online sample but its ``index``. None (the default): the stack
+        draws member by member (:class:`~featlearn.datamodules.seeds.SeedStackDataModule`)."""
+        return None
+
     def _world(self) -> tuple[int, int, int]:
         """(global step, rank, world size) of the attached trainer, or of a single process without one."""
         trainer = self.trainer

@@ -165,39 +165,55 @@ class HiddenRepresentationDataModule(SyntheticDataModule):
     # ------------------------------------------------------------------------------------------
     # sampling
     # ------------------------------------------------------------------------------------------
-    def _latents(self, index: torch.Tensor, split: str, task: torch.Tensor) -> torch.Tensor:
-        """``z [n, d]`` with task ``task[i]`` for sample ``i`` (spurious part included)."""
-        n, dev, st, seed = len(index), index.device, self.stream, self.seed
-        p = self.r - self.s
-        z = torch.zeros(n, self.d, device=dev)
-        z[:, :self.s] = self.sigma_S * rng.normal(seed, st(split, _Q_S), index, (self.s,))
-        cols = self.s + task.unsqueeze(1) * p + torch.arange(p, device=dev)
-        z.scatter_(1, cols, self.sigma_R * rng.normal(seed, st(split, _Q_P), index, (p,)))
+    def _latents(self, index: torch.Tensor, split: str, task: torch.Tensor, seed=None) -> torch.Tensor:
+        """``z [n, d]`` with task ``task[i]`` for sample ``i`` (spurious part included); ``[S, n, d]`` for a tensor
+        of seeds (``task [S, n]``)."""
+        seed = self.seed if seed is None else seed
+        dev, st, p = index.device, self.stream, self.r - self.s
+        shared = self.sigma_S * rng.normal(seed, st(split, _Q_S), index, (self.s,))
+        z = shared.new_zeros(*shared.shape[:-1], self.d)
+        z[..., :self.s] = shared
+        cols = self.s + task.unsqueeze(-1) * p + torch.arange(p, device=dev)
+        z.scatter_(-1, cols, self.sigma_R * rng.normal(seed, st(split, _Q_P), index, (p,)))
         if self.u:
-            z[:, self.k:] = self.sigma_U * rng.normal(seed, st(split, _Q_U), index, (self.u,))
+            z[..., self.k:] = self.sigma_U * rng.normal(seed, st(split, _Q_U), index, (self.u,))
         return z
 
-    def _tasks(self, index: torch.Tensor, split: str) -> torch.Tensor:
+    def _tasks(self, index: torch.Tensor, split: str, seed) -> torch.Tensor:
         if index.device not in self._task_tables:  # the mixture's bin edges and task ids, once per device
             weights = torch.tensor([self.task_weights[t] for t in self.tasks], dtype=torch.float64)
             self._task_tables[index.device] = (torch.cumsum(weights / weights.sum(), 0)[:-1].to(index.device),
                                                torch.tensor(self.tasks, device=index.device))
         edges, tasks = self._task_tables[index.device]
-        draw = rng.uniform(self.seed, self.stream(split, _Q_TASK), index, (), torch.float64)
+        draw = rng.uniform(seed, self.stream(split, _Q_TASK), index, (), torch.float64)
         return tasks[torch.bucketize(draw, edges, right=True)]
+
+    def _pairs(self, index: torch.Tensor, split: str, seed, M: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Pretraining pairs of one seed (``M [d, d]``) or of a tensor of seeds (``M [S, d, d]``)."""
+        task = self._tasks(index, split, seed)
+        z = self._latents(index, split, task, seed)
+        x = z @ M.mT
+        if self.u:
+            z[..., self.k:] = self.sigma_U * rng.normal(seed, self.stream(split, _Q_U_POS), index, (self.u,))
+        return {"x": x, "x_pos": z @ M.mT, "task": task}
 
     def sample(self, index: torch.Tensor, split: str) -> dict[str, torch.Tensor]:
         """Training: pretraining pairs ``x, x_pos, task`` from the mixture; validation / test: labelled
         samples of the target task (:meth:`labeled`)."""
         if split != "train":
             return self.labeled(self.target_task, index, split)
-        task = self._tasks(index, split)
-        z = self._latents(index, split, task)
-        M = self._const("M", index.device)
-        x = z @ M.t()
-        if self.u:
-            z[:, self.k:] = self.sigma_U * rng.normal(self.seed, self.stream(split, _Q_U_POS), index, (self.u,))
-        return {"x": x, "x_pos": z @ M.t(), "task": task}
+        return self._pairs(index, split, self.seed, self._const("M", index.device))
+
+    def sample_seeds(self, members: list, index: torch.Tensor, split: str) -> dict[str, torch.Tensor] | None:
+        """The training pairs of every member in one draw (their dictionaries as one ``[S, d, d]`` stack)."""
+        if split != "train":
+            return None
+        key = (tuple(m.seed for m in members), index.device)
+        if getattr(self, "_seed_consts", (None,))[0] != key:
+            self._seed_consts = (key, torch.tensor(key[0], device=index.device),
+                                 torch.stack([m._const("M", index.device) for m in members]))
+        _, seeds, M = self._seed_consts
+        return self._pairs(index, split, seeds, M)
 
     def labeled(self, task: int, index: torch.Tensor, split: Literal["val", "test"] = "val") -> dict[str, torch.Tensor]:
         """Labelled samples of ``task``: ``x``, ``z``, ``y`` (float32) and ``task``. Sample ``i`` of task ``t`` is a

@@ -53,18 +53,31 @@ def _mix_int(x: int) -> int:
     return x ^ (x >> 16)
 
 
-def _key(seed: int, stream: int, index: torch.Tensor) -> torch.Tensor:
-    """One 32-bit key per index, as int32."""
-    base = _mix_int(seed * 0x9E3779B1 + stream * 0x85EBCA77)
+def _lead(seed, index: torch.Tensor) -> tuple[int, ...]:
+    """The leading shape of the numbers drawn for ``index``: ``index.shape``, behind a seed axis for a tensor
+    of seeds."""
+    return (len(seed), *index.shape) if torch.is_tensor(seed) else tuple(index.shape)
+
+
+def _key(seed, stream: int, index: torch.Tensor) -> torch.Tensor:
+    """One 32-bit key per index, as int32; ``[S, *index.shape]`` for a 1-D tensor of ``S`` seeds (the keys each
+    seed alone gives: the base is the same integer arithmetic, modulo 2^32)."""
     index = index.to(torch.int64)
+    low = torch.bitwise_and(index, _MASK32)
+    if torch.is_tensor(seed):
+        base = _mix64(seed.to(device=index.device, dtype=torch.int64) * 0x9E3779B1 + stream * 0x85EBCA77)
+        low = low ^ base.view(-1, *[1] * index.dim())
+    else:
+        low.bitwise_xor_(_mix_int(seed * 0x9E3779B1 + stream * 0x85EBCA77))
     # Indices above 2**32 fold in their high word so long online streams never repeat.
-    key = _mix64(_mix64(torch.bitwise_and(index, _MASK32).bitwise_xor_(base)).bitwise_xor_(index >> 32))
+    key = _mix64(_mix64(low).bitwise_xor_(index >> 32))
     return (key - ((key >> 31) << 32)).to(torch.int32)
 
 
-def _bits(seed: int, stream: int, index: torch.Tensor, n, blocks: int = 1) -> torch.Tensor:
-    """``n`` random 32-bit words per index, shape ``[*index.shape, n]`` (int32); with ``blocks``, counters
-    ``0 .. blocks * n - 1`` laid out ``[blocks, *index.shape, n]`` (each block contiguous, same words).
+def _bits(seed, stream: int, index: torch.Tensor, n, blocks: int = 1) -> torch.Tensor:
+    """``n`` random 32-bit words per index, shape ``[*lead, n]`` (int32; ``lead``: :func:`_lead`); with
+    ``blocks``, counters ``0 .. blocks * n - 1`` laid out ``[blocks, *lead, n]`` (each block contiguous, same
+    words).
 
     Two rounds, not one: with one, two samples whose keys differ in low bits only would see the same
     words at shifted counters (key ^ counter collides); adding the key after the first round and mixing
@@ -73,7 +86,7 @@ def _bits(seed: int, stream: int, index: torch.Tensor, n, blocks: int = 1) -> to
     key = _key(seed, stream, index).unsqueeze(-1)
     counter = torch.arange(blocks * n, device=index.device, dtype=torch.int32)
     if blocks > 1:
-        counter = counter.view(blocks, *([1] * index.dim()), n)
+        counter = counter.view(blocks, *([1] * (key.dim() - 1)), n)
     return _mix(_mix(key ^ counter).add_(key))
 
 
@@ -82,12 +95,22 @@ def _unit(bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (bits >> 8).bitwise_and_(0xFFFFFF).to(dtype).mul_(1.0 / (1 << 24))
 
 
-def uniform(seed: int, stream: int, index: torch.Tensor, shape=(), dtype=torch.float32) -> torch.Tensor:
-    """Uniform [0, 1) numbers of shape ``[*index.shape, *shape]`` with 24 random bits each."""
-    return _unit(_bits(seed, stream, index, math.prod(shape)), dtype).reshape(*index.shape, *shape)
+def uniform(seed, stream: int, index: torch.Tensor, shape=(), dtype=torch.float32) -> torch.Tensor:
+    """Uniform [0, 1) numbers of shape ``[*index.shape, *shape]`` with 24 random bits each.
+
+    Every sampler here takes ``seed`` as an int, or as a 1-D tensor of ``S`` seeds: then ``[S, ...]``, row ``s``
+    bit for bit what seed ``seed[s]`` alone gives (the seeds of a stacked run drawn in one call).
+
+    Example:
+        >>> i = torch.arange(5)
+        >>> both = uniform(torch.tensor([3, 4]), 1, i, (2,))
+        >>> both.shape, bool(torch.equal(both[1], uniform(4, 1, i, (2,))))
+        (torch.Size([2, 5, 2]), True)
+    """
+    return _unit(_bits(seed, stream, index, math.prod(shape)), dtype).reshape(*_lead(seed, index), *shape)
 
 
-def normal(seed: int, stream: int, index: torch.Tensor, shape=(), dtype=torch.float32) -> torch.Tensor:
+def normal(seed, stream: int, index: torch.Tensor, shape=(), dtype=torch.float32) -> torch.Tensor:
     """Standard normal numbers: Box-Muller, both outputs kept (cosine half, then sine half).
 
     Computed in float32 unless float64 is asked for: the inputs carry 24 bits, which float32 holds
@@ -102,22 +125,23 @@ def normal(seed: int, stream: int, index: torch.Tensor, shape=(), dtype=torch.fl
     radius = u[0].neg_().log1p_().mul_(-2.0).sqrt_()  # log1p(-u) with u < 1: no log(0)
     angle = u[1].mul_(2.0 * math.pi)
     out = torch.stack((torch.cos(angle).mul_(radius), angle.sin_().mul_(radius)), dim=-2)
-    out = out.view(*index.shape, 2 * half)[..., :n]
-    return out.reshape(*index.shape, *shape).to(dtype)
+    lead = _lead(seed, index)
+    out = out.view(*lead, 2 * half)[..., :n]
+    return out.reshape(*lead, *shape).to(dtype)
 
 
-def bernoulli(seed: int, stream: int, index: torch.Tensor, shape, p: float) -> torch.Tensor:
+def bernoulli(seed, stream: int, index: torch.Tensor, shape, p: float) -> torch.Tensor:
     """Boolean tensor, True with probability ``p``."""
     # float64: comparing with p rounded to float32 could flip a draw that equals the rounded value
     return uniform(seed, stream, index, shape, torch.float64) < p
 
 
-def randint(seed: int, stream: int, index: torch.Tensor, shape, high: int) -> torch.Tensor:
+def randint(seed, stream: int, index: torch.Tensor, shape, high: int) -> torch.Tensor:
     """Integers uniform on ``[0, high)``."""
     return (uniform(seed, stream, index, shape, torch.float64) * high).long().clamp_max(high - 1)
 
 
-def permutation(seed: int, stream: int, index: torch.Tensor, n: int) -> torch.Tensor:
+def permutation(seed, stream: int, index: torch.Tensor, n: int) -> torch.Tensor:
     """One uniformly random permutation of ``range(n)`` per index: shape ``[*index.shape, n]``."""
     # stable: equal keys (rare) are ordered by position, the same on every device
     return torch.argsort(uniform(seed, stream, index, (n,), torch.float32), dim=-1, stable=True)

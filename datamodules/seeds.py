@@ -4,7 +4,10 @@ The loaders are the first member's (they carry sample indices only, which depend
 sizes, never on the seed); after the indices reach the device each member turns them into its own batch (its
 shuffled order, features and samples are functions of its seed), so ``training_step`` of a
 :class:`~featlearn.lightning_modules.seeds.SeedStack` receives ``{"seeds": [batch of seed 0, batch of seed 1,
-...]}``.
+...]}``. Online training batches of a class that offers
+:meth:`~featlearn.datamodules.base.SyntheticDataModule.sample_seeds` are drawn for every seed in one call
+(the same numbers, bit for bit); the batch then also holds them as ``"stacked"`` (each tensor ``[S, ...]``),
+which the stack's vmapped loss reads as it is.
 
 Example:
     >>> from featlearn.datamodules.two_feature_patches import TwoFeaturePatchDataModule
@@ -27,6 +30,10 @@ class SeedStackDataModule(L.LightningDataModule):
     def __init__(self, members: list[SyntheticDataModule], seeds: list[int]):
         super().__init__()
         self.members, self.seeds = list(members), [int(s) for s in seeds]
+        # one draw for all seeds only where the members differ in their seed alone (a {seed} text may differ)
+        settings = [{k: v for k, v in m.hparams_initial.items() if k != "data.seed"} for m in self.members]
+        self._one_draw = all(type(m) is type(self.members[0]) and c == settings[0]
+                             for m, c in zip(self.members, settings))
 
     @property
     def hparams_initial(self):
@@ -58,8 +65,19 @@ class SeedStackDataModule(L.LightningDataModule):
     def predict_dataloader(self):
         return self.members[0].predict_dataloader()
 
-    def on_after_batch_transfer(self, batch: dict[str, torch.Tensor], dataloader_idx: int) -> dict[str, list]:
+    def on_after_batch_transfer(self, batch: dict[str, torch.Tensor], dataloader_idx: int) -> dict:
         self._share_trainer()
+        first = self.members[0]
+        module = getattr(self.trainer, "lightning_module", None)
+        if (self._one_draw and isinstance(batch, dict) and batch.get("split") == "train" and first.mode == "online"
+                and getattr(module, "samples_needed", True)):
+            index = first._train_index(batch["index"])
+            with torch.profiler.record_function("featlearn.data"):
+                stacked = first.sample_seeds(self.members, index, "train")
+            if stacked is not None:
+                stacked["index"] = index.expand(len(self.members), -1)
+                return {"seeds": [{k: v[s] if torch.is_tensor(v) else v for k, v in stacked.items()}
+                                  for s in range(len(self.members))], "stacked": stacked}
         return {"seeds": [member.on_after_batch_transfer(dict(batch), dataloader_idx) for member in self.members]}
 
     def state_dict(self) -> dict:

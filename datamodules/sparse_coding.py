@@ -181,13 +181,17 @@ class SparseCodingDataModule(SyntheticDataModule):
     # sampling
     # ------------------------------------------------------------------------------------------
     def _draw(self, index: torch.Tensor, split: str, shape: tuple[int, ...], q_support: int, q_sign: int,
-              q_noise: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        s = self.stream
-        support = rng.bernoulli(self.seed, s(split, q_support), index, shape + (self.d,), self.p)
-        sign = rng.bernoulli(self.seed, s(split, q_sign), index, shape + (self.d,), 0.5)
+              q_noise: int, seed=None, M: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+        """``x, z, xi`` of one seed, or of a tensor of ``S`` seeds with their dictionaries ``M [S, d1, d]``."""
+        s, seed = self.stream, self.seed if seed is None else seed
+        support = rng.bernoulli(seed, s(split, q_support), index, shape + (self.d,), self.p)
+        sign = rng.bernoulli(seed, s(split, q_sign), index, shape + (self.d,), 0.5)
         z = support.float() * torch.where(sign, 1.0, -1.0)
-        xi = self.sigma_xi * rng.normal(self.seed, s(split, q_noise), index, shape + (self.d1,))
-        x = z @ self._const("M", index.device).t() + xi
+        xi = self.sigma_xi * rng.normal(seed, s(split, q_noise), index, shape + (self.d1,))
+        if M is None:
+            return z @ self._const("M", index.device).t() + xi, z, xi
+        # each seed's rows as one [rows, d] product, as the seed alone multiplies them (same rounding)
+        x = torch.bmm(z.flatten(1, -2), M.mT).view_as(xi) + xi
         return x, z, xi
 
     def _mask_views(self, x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -196,18 +200,35 @@ class SparseCodingDataModule(SyntheticDataModule):
 
     def sample(self, index: torch.Tensor, split: str) -> dict[str, torch.Tensor]:
         """Samples with these indices on ``index.device``; training adds views and negatives."""
-        x, z, xi = self._draw(index, split, (), _Q_SUPPORT, _Q_SIGN, _Q_NOISE)
-        y = z @ self._const("w_star", index.device)
+        return self._sample(index, split, self.seed, None, self._const("w_star", index.device))
+
+    def _sample(self, index: torch.Tensor, split: str, seed, M, w_star) -> dict[str, torch.Tensor]:
+        x, z, xi = self._draw(index, split, (), _Q_SUPPORT, _Q_SIGN, _Q_NOISE, seed, M)
+        y = z @ w_star if M is None else torch.stack([zs @ ws for zs, ws in zip(z, w_star)])
         out = {"x": x, "z": z, "xi": xi, "y_reg": y, "y_cls": torch.sign(y)}
         if split != "train":
             return out
         if self.augment == "random_mask":
-            mask = rng.bernoulli(self.seed, self.stream(split, _Q_MASK), index, (self.d1,), self.mask_prob)
+            mask = rng.bernoulli(seed, self.stream(split, _Q_MASK), index, (self.d1,), self.mask_prob)
             out["x_a"], out["x_q"] = self._mask_views(x, mask)
         else:
             out["x_a"], out["x_q"] = x, x
-        out["x_neg"] = self._negatives(index, split, self.negatives_per_anchor())  # [B, r, d1]; pooled in batch()
+        out["x_neg"] = self._negatives(index, split, self.negatives_per_anchor(), seed, M)  # pooled in batch()
         return out
+
+    def sample_seeds(self, members: list, index: torch.Tensor, split: str) -> dict[str, torch.Tensor] | None:
+        """The online training batches of every member in one draw, negatives pooled as :meth:`batch` pools
+        them (per seed)."""
+        if split != "train":
+            return None
+        key = (tuple(m.seed for m in members), index.device)
+        if getattr(self, "_seed_consts", (None,))[0] != key:
+            self._seed_consts = (key, torch.tensor(key[0], device=index.device),
+                                 *(torch.stack([m._const(n, index.device) for m in members]) for n in ("M", "w_star")))
+        _, seeds, M, w_star = self._seed_consts
+        out = self._sample(index, split, seeds, M, w_star)
+        return self._pool(out, index, lambda owned: torch.stack([pool_negatives(o, index, self.num_negatives)
+                                                                  for o in owned]))
 
     def negatives_per_anchor(self) -> int:
         """``r``: negatives owned by each anchor, ``N`` per anchor, else ``ceil(N / global batch)``.
@@ -220,10 +241,11 @@ class SparseCodingDataModule(SyntheticDataModule):
         global_batch = self.sizes["train"] if self.batch_size is None else self.batch_size * self._world()[2]
         return math.ceil(self.num_negatives / global_batch)
 
-    def _negatives(self, index: torch.Tensor, split: str, r: int) -> torch.Tensor:
-        xn, _, _ = self._draw(index, split, (r,), _Q_NEG_SUPPORT, _Q_NEG_SIGN, _Q_NEG_NOISE)
+    def _negatives(self, index: torch.Tensor, split: str, r: int, seed=None, M=None) -> torch.Tensor:
+        xn, _, _ = self._draw(index, split, (r,), _Q_NEG_SUPPORT, _Q_NEG_SIGN, _Q_NEG_NOISE, seed, M)
         if self.augment_negatives:
-            mneg = rng.bernoulli(self.seed, self.stream(split, _Q_NEG_MASK), index, (r, self.d1), self.mask_prob)
+            seed = self.seed if seed is None else seed
+            mneg = rng.bernoulli(seed, self.stream(split, _Q_NEG_MASK), index, (r, self.d1), self.mask_prob)
             xn = torch.where(mneg, xn / self.mask_prob, 0.0)
         return xn
 
@@ -239,11 +261,16 @@ class SparseCodingDataModule(SyntheticDataModule):
         r = self.negatives_per_anchor()
         if out["x_neg"].shape[1] != r:  # a fixed split cached before the trainer (device count) was attached
             out["x_neg"] = self._negatives(index, split, r)
+        return self._pool(out, index, lambda owned: pool_negatives(owned, index, self.num_negatives))
+
+    def _pool(self, out: dict, index: torch.Tensor, pool) -> dict[str, torch.Tensor]:
+        """The shared pool of negatives (``pool`` of the owned ones), or on several devices its size for the
+        model, which pools after gathering."""
         if self.negatives == "shared":
             if self._world()[2] > 1:
                 out["neg_pool_size"] = self.num_negatives
             else:
-                out["x_neg"] = pool_negatives(out["x_neg"], index, self.num_negatives)
+                out["x_neg"] = pool(out["x_neg"])
         return out
 
     def test_dataloader(self) -> list:

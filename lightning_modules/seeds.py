@@ -8,7 +8,7 @@ paid once for all seeds and small GEMMs become batched ones:
 * **Weights.** Each trained tensor of the method is one leaf with a leading seed axis ``[S, ...]``; member s
   reads row s (and its step-finishing projections, caps and EMA updates write row s). One optimizer over the
   stacked leaves with the method's own settings: featlearn's optimizers (SGD, Adam) act elementwise, so this is
-  S optimizers, each with its own state.
+  S optimizers, each with its own state and schedule (:mod:`.seed_schedules`).
 * **Loss.** Methods that define ``seed_loss(batch)`` (a pure function of the weights and the batch) run it once
   through ``torch.func.vmap`` over the seed axis, and ``record_step(loss, batch)`` per seed for the metrics:
   the same arithmetic in batched ops (equal to the separate runs to float rounding). Every other method runs
@@ -47,6 +47,7 @@ from featlearn.errors import ConfigError
 from featlearn.lightning_modules.base import FeatureLearningModule
 from featlearn.lightning_modules.seed_guard import SeedGuard
 from featlearn.lightning_modules.seed_logs import SeedLogs
+from featlearn.lightning_modules.seed_schedules import prepare_seeds
 
 
 # Lightning hooks a stack does not pass on to its members: a method that overrides one is refused
@@ -146,7 +147,7 @@ class SeedStack(L.LightningModule):
             self.trainer.should_stop = True
             return None
         if self.batched:
-            losses = self._batched_losses(batches)
+            losses = self._batched_losses(batch)
             outs = []
             for s in live:  # metrics and their logs, per seed, on detached rows
                 outs.append(self.members[s].record_step(losses[s], batches[s]))
@@ -164,9 +165,10 @@ class SeedStack(L.LightningModule):
                                            for s in range(len(self.members))]))
         return total
 
-    def _batched_losses(self, batches: list[dict]) -> torch.Tensor:
-        first = self.members[0]
-        data = {k: torch.stack([b[k] for b in batches]) for k, v in batches[0].items() if torch.is_tensor(v)}
+    def _batched_losses(self, batch: dict) -> torch.Tensor:
+        first, batches = self.members[0], batch["seeds"]
+        data = batch.get("stacked") or {k: torch.stack([b[k] for b in batches]) for k, v in batches[0].items()
+                                         if torch.is_tensor(v)}
         members = [dict(m.named_buffers()) for m in self.members]
         now = [(b, b._version) for bufs in members for b in bufs.values()]  # most are ground truth, never written
         at = getattr(self, "_buffers_at", None)  # an in-place write or a swapped tensor: stacked again
@@ -182,7 +184,7 @@ class SeedStack(L.LightningModule):
         return torch.func.vmap(one)(dict(zip(self.names, self.stacked)), buffers, data)
 
     def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:
-        self.members[0].prepare_step(optimizer)  # a schedule's step sizes: the same for every seed
+        prepare_seeds(self.members, optimizer, self.seeds)  # each seed's schedule (its step sizes)
         optimizer.step(closure=optimizer_closure)
         step, trainer = self.global_step + 1, self._trainer
         asked = trainer is not None and trainer.should_stop  # a stop asked before this step (not by a member)
@@ -320,8 +322,7 @@ def _owner(module: torch.nn.Module, name: str) -> tuple[torch.nn.Module, str]:
 
 def _per_row_hooks(hooks: list[list], grad: torch.Tensor) -> torch.Tensor:
     rows = []
-    for s, row_hooks in enumerate(hooks):
-        g = grad[s]
+    for g, row_hooks in zip(grad, hooks):
         for hook in row_hooks:
             out = hook(g)
             g = g if out is None else out

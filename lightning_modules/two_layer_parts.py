@@ -24,6 +24,8 @@ class ScheduledGD(torch.optim.Optimizer):
     ``decay = 1 - 2 lr lambda`` of every group before each step (the schedule), so ``decay = 0`` erases
     a parameter exactly instead of through the cancellation ``p - lr (grad + p / lr)``."""
 
+    per_row_values = True  # a seed stack's group may hold a tuple per entry: row s of each weight, seed s's value
+
     def __init__(self, params):
         super().__init__(params, {"lr": 0.0, "decay": 1.0})
 
@@ -34,14 +36,28 @@ class ScheduledGD(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
+            lr, decay = group["lr"], group["decay"]
             for p in group["params"]:
                 if p.grad is None or not p.requires_grad:
                     continue
-                if group["decay"] == 0:
-                    torch.mul(p.grad, -group["lr"], out=p)
+                if isinstance(lr, tuple) or isinstance(decay, tuple):  # seed s's values on row s, as it alone
+                    n = len(p)
+                    for row, grad, lr_s, decay_s in zip(p, p.grad, _rows(lr, n), _rows(decay, n)):
+                        _update(row, grad, lr_s, decay_s)
                 else:
-                    p.mul_(group["decay"]).add_(p.grad, alpha=-group["lr"])
+                    _update(p, p.grad, lr, decay)
         return loss
+
+
+def _rows(value, n: int) -> tuple:
+    return value if isinstance(value, tuple) else (value,) * n
+
+
+def _update(p: torch.Tensor, grad: torch.Tensor, lr: float, decay: float) -> None:
+    if decay == 0:
+        torch.mul(grad, -lr, out=p)
+    else:
+        p.mul_(decay).add_(grad, alpha=-lr)
 
 
 def check_stage3_decay(theory: dict[str, float], reg3_mult: float) -> None:

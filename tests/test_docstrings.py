@@ -15,7 +15,7 @@ MODULES = ["featlearn.kernels.registry", "featlearn.datamodules.modular_addition
            "featlearn.theory.gradient_features", "featlearn.lightning_modules.gradient_features",
            "featlearn.experiments.gradient_features", "featlearn.metrics.spectrum",
            "featlearn.lightning_modules.modular_addition", "featlearn.lightning_modules.modular_transformer",
-           "featlearn.lightning_modules.modular_base",
+           "featlearn.lightning_modules.modular_base", "featlearn.lightning_modules.seed_schedules",
            "featlearn.kernels.modular_power_mlp", "featlearn.kernels.looped_linear_attention", "featlearn.kernels.token_selection",
            "featlearn.experiments.modular_addition", "featlearn.experiments.modular_addition_grokking",
            "featlearn.experiments.looped_transformer", "featlearn.experiments.looped_transformer_trained",
@@ -42,7 +42,7 @@ MODULES = ["featlearn.kernels.registry", "featlearn.datamodules.modular_addition
            "featlearn.papers", "featlearn.bench.harness", "featlearn.quiet",
            "featlearn.experiments.study", "featlearn.experiments.points", "featlearn.experiments.settings", "featlearn.experiments.sweep_file",
            "featlearn.experiments.vit_report", "featlearn.theory.universality_downstream",
-           "featlearn.lightning_modules.seeds", "featlearn.datamodules.seeds"]
+           "featlearn.lightning_modules.seeds", "featlearn.datamodules.seeds", "featlearn.datamodules.rng"]
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -107,3 +107,18 @@ def test_normal_keeps_both_box_muller_outputs_independent(dtype):
     for part in (cos_half, sin_half):
         assert abs(part.mean()) < 5 / math.sqrt(n) and abs(part.var() - 1) < 5 * math.sqrt(2 / n)
     assert z.abs().max() < 5.8  # 24-bit inputs bound the tails
+
+
+@pytest.mark.parametrize("sampler, args", [
+    (rng.uniform, ((3, 2), torch.float64)), (rng.normal, ((5,),)), (rng.normal, ((4,), torch.float64)),
+    (rng.bernoulli, ((7,), 0.3)), (rng.randint, ((2,), 11)), (rng.permutation, (6,))],
+    ids=["uniform", "normal", "normal-float64", "bernoulli", "randint", "permutation"])
+def test_a_tensor_of_seeds_draws_each_seeds_numbers(sampler, args):
+    """Row s of a draw with a tensor of seeds is bit for bit seed s's own draw (indices past 2^32 included)."""
+    seeds = torch.tensor([0, 1, 9, 70001, 2**31 - 1, -3])
+    index = torch.cat([torch.arange(37), (torch.arange(5) + 3) << 32])
+    both = sampler(seeds, 2004, index, *args)
+    assert both.shape[:2] == (len(seeds), len(index))
+    for row, seed in enumerate(seeds.tolist()):
+        assert torch.equal(both[row], sampler(seed, 2004, index, *args)), seed
+    assert not torch.equal(both[0], both[1])
