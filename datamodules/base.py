@@ -54,6 +54,19 @@ _SHARED_EVAL_SPLITS: "OrderedDict[tuple, dict]" = OrderedDict()
 _SHARED_EVAL_LIMIT = 4  # distributions kept per process (least recently used dropped first)
 
 
+def matmul_per_seed(x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
+    """``x[s] @ weights[s]`` for each seed ``s`` of ``x``'s leading axis, stacked: each seed's product as it computes
+    it alone, bit for bit, given the seeds' own weight tensors (a batched product, or a copy in another layout,
+    may round differently). For ``sample_seeds``.
+
+    Example:
+        >>> x, w = torch.randn(3, 5, 4), [torch.randn(2, 4).t() for _ in range(3)]
+        >>> bool(torch.equal(matmul_per_seed(x, w)[1], x[1] @ w[1]))
+        True
+    """
+    return torch.stack([a @ w for a, w in zip(x, weights)])
+
+
 class _Indices(Dataset):
     def __init__(self, length: int):
         self.length = length

@@ -39,7 +39,7 @@ from typing import Literal
 import torch
 
 from featlearn.datamodules import rng
-from featlearn.datamodules.base import SyntheticDataModule
+from featlearn.datamodules.base import SyntheticDataModule, matmul_per_seed
 from featlearn.errors import ConfigError
 from featlearn.theory.universality import layout
 from featlearn.validation import (NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, check_args,
@@ -188,14 +188,17 @@ class HiddenRepresentationDataModule(SyntheticDataModule):
         draw = rng.uniform(seed, self.stream(split, _Q_TASK), index, (), torch.float64)
         return tasks[torch.bucketize(draw, edges, right=True)]
 
-    def _pairs(self, index: torch.Tensor, split: str, seed, M: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Pretraining pairs of one seed (``M [d, d]``) or of a tensor of seeds (``M [S, d, d]``)."""
+    def _pairs(self, index: torch.Tensor, split: str, seed, M) -> dict[str, torch.Tensor]:
+        """Pretraining pairs of one seed (``M [d, d]``) or of a tensor of seeds (``M``: their dictionaries)."""
         task = self._tasks(index, split, seed)
         z = self._latents(index, split, task, seed)
-        x = z @ M.mT
+
+        def mix(z):  # x = M z
+            return z @ M.mT if torch.is_tensor(M) else matmul_per_seed(z, [m.mT for m in M])
+        x = mix(z)
         if self.u:
             z[..., self.k:] = self.sigma_U * rng.normal(seed, self.stream(split, _Q_U_POS), index, (self.u,))
-        return {"x": x, "x_pos": z @ M.mT, "task": task}
+        return {"x": x, "x_pos": mix(z), "task": task}
 
     def sample(self, index: torch.Tensor, split: str) -> dict[str, torch.Tensor]:
         """Training: pretraining pairs ``x, x_pos, task`` from the mixture; validation / test: labelled
@@ -205,15 +208,11 @@ class HiddenRepresentationDataModule(SyntheticDataModule):
         return self._pairs(index, split, self.seed, self._const("M", index.device))
 
     def sample_seeds(self, members: list, index: torch.Tensor, split: str) -> dict[str, torch.Tensor] | None:
-        """The training pairs of every member in one draw (their dictionaries as one ``[S, d, d]`` stack)."""
+        """The training pairs of every member in one draw (the products seed by seed, with each one's dictionary)."""
         if split != "train":
             return None
-        key = (tuple(m.seed for m in members), index.device)
-        if getattr(self, "_seed_consts", (None,))[0] != key:
-            self._seed_consts = (key, torch.tensor(key[0], device=index.device),
-                                 torch.stack([m._const("M", index.device) for m in members]))
-        _, seeds, M = self._seed_consts
-        return self._pairs(index, split, seeds, M)
+        seeds = torch.tensor([m.seed for m in members], device=index.device)
+        return self._pairs(index, split, seeds, [m._const("M", index.device) for m in members])
 
     def labeled(self, task: int, index: torch.Tensor, split: Literal["val", "test"] = "val") -> dict[str, torch.Tensor]:
         """Labelled samples of ``task``: ``x``, ``z``, ``y`` (float32) and ``task``. Sample ``i`` of task ``t`` is a

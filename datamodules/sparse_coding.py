@@ -45,7 +45,7 @@ from typing import Literal
 import torch
 
 from featlearn.datamodules import rng
-from featlearn.datamodules.base import SyntheticDataModule
+from featlearn.datamodules.base import SyntheticDataModule, matmul_per_seed
 from featlearn.errors import ConfigError
 from featlearn.validation import (LeftOpenUnitInterval, NonNegativeFloat, OpenUnitInterval, PositiveFloat, PositiveInt,
                                   check_args, int_at_least)
@@ -182,7 +182,7 @@ class SparseCodingDataModule(SyntheticDataModule):
     # ------------------------------------------------------------------------------------------
     def _draw(self, index: torch.Tensor, split: str, shape: tuple[int, ...], q_support: int, q_sign: int,
               q_noise: int, seed=None, M: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
-        """``x, z, xi`` of one seed, or of a tensor of ``S`` seeds with their dictionaries ``M [S, d1, d]``."""
+        """``x, z, xi`` of one seed, or of a tensor of ``S`` seeds with their dictionaries ``M`` (a list)."""
         s, seed = self.stream, self.seed if seed is None else seed
         support = rng.bernoulli(seed, s(split, q_support), index, shape + (self.d,), self.p)
         sign = rng.bernoulli(seed, s(split, q_sign), index, shape + (self.d,), 0.5)
@@ -190,9 +190,7 @@ class SparseCodingDataModule(SyntheticDataModule):
         xi = self.sigma_xi * rng.normal(seed, s(split, q_noise), index, shape + (self.d1,))
         if M is None:
             return z @ self._const("M", index.device).t() + xi, z, xi
-        # each seed's rows as one [rows, d] product, as the seed alone multiplies them (same rounding)
-        x = torch.bmm(z.flatten(1, -2), M.mT).view_as(xi) + xi
-        return x, z, xi
+        return matmul_per_seed(z, [m.t() for m in M]) + xi, z, xi
 
     def _mask_views(self, x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         q = self.mask_prob
@@ -221,11 +219,8 @@ class SparseCodingDataModule(SyntheticDataModule):
         them (per seed)."""
         if split != "train":
             return None
-        key = (tuple(m.seed for m in members), index.device)
-        if getattr(self, "_seed_consts", (None,))[0] != key:
-            self._seed_consts = (key, torch.tensor(key[0], device=index.device),
-                                 *(torch.stack([m._const(n, index.device) for m in members]) for n in ("M", "w_star")))
-        _, seeds, M, w_star = self._seed_consts
+        seeds = torch.tensor([m.seed for m in members], device=index.device)
+        M, w_star = ([m._const(n, index.device) for m in members] for n in ("M", "w_star"))
         out = self._sample(index, split, seeds, M, w_star)
         return self._pool(out, index, lambda owned: torch.stack([pool_negatives(o, index, self.num_negatives)
                                                                   for o in owned]))

@@ -88,6 +88,31 @@ def test_step_seeds_in_one_run_are_checked_then_timed_per_seed_step(tmp_path):
     assert all(r.passed and r.error <= 1e-10 and len(r.seconds) == 2 for r in stacked)
 
 
+def test_data_one_draw_is_checked_bit_for_bit_then_timed(tmp_path):
+    """``bench data``: each seed stack's one draw against its seeds drawn in turn, exactly (tolerance 0)."""
+    status, results, files = run(["data", "--size", "smoke", "--seeds", "2", "5", "--repeats", "2", "--warmup", "1",
+                                  "--device", "cpu", "--out", str(tmp_path)])
+    assert status == 0, [(r.case, r.variant, r.note) for r in results if not r.passed]
+    one = [r for r in results if r.variant == "one draw"]
+    assert {r.case for r in one} == {"universality x2", "universality x5", "contrastive x2", "contrastive x5"}
+    assert all(r.passed and r.error == 0.0 and len(r.seconds) == 2 for r in one)
+    assert [f.name for f in files] == ["data_smoke_cpu.csv", "data_smoke_cpu.md", "data_smoke_cpu.png"]
+
+
+def test_a_zero_tolerance_is_bit_for_bit():
+    """A variant's ``tolerance=0.0`` is kept (not the dtype's default): exact passes, one ulp off fails."""
+    def nudged(inp):
+        return (torch.nextafter(inp["x"], torch.full_like(inp["x"], float("inf"))),)
+    variants = [harness.Variant("exact", lambda inp: (inp["x"].clone(),), tolerance=0.0),
+                harness.Variant("ulp", nudged, tolerance=0.0), harness.Variant("ulp, default", nudged)]
+    case = harness.Case("exact", "7", variants,
+                        lambda dtype, dev, seed: {"x": torch.randn(7, generator=torch.Generator().manual_seed(seed))},
+                        lambda inp: (inp["x"],))
+    exact, ulp, default = harness.check(case, torch.device("cpu"), seed=3)
+    assert exact.passed and exact.error == 0.0
+    assert not ulp.passed and 0 < ulp.error < 1e-6 and default.passed
+
+
 def test_lightning_fit_is_timed_from_its_own_logs(tmp_path, monkeypatch):
     """``--fit``: the case's settings fitted by the command in its own process, a sample per logged interval."""
     from featlearn.bench import user_fit
@@ -120,6 +145,9 @@ def test_check_refuses_a_variant_that_writes_nan():
     (["bench", "op", "--size", "gpu", "--device", "cpu"], "--size"),
     (["bench", "op", "--size", "smoke", "--device", "cpu", "--ceilings", "missing.csv"], "--ceilings"),
     (["bench", "step", "--size", "smoke", "--fit", "--device", "cuda"], "--fit"),
+    (["bench", "data", "--method", "mrp"], "--method"),
+    (["bench", "data", "--size", "gpu"], "--size"),
+    (["bench", "data", "--seeds", "0"], "--seeds"),
 ])
 def test_bad_options_are_refused_naming_the_option(argv, field, capsys, tmp_path):
     with pytest.raises(SystemExit) as exit_:

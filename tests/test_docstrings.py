@@ -39,7 +39,7 @@ MODULES = ["featlearn.kernels.registry", "featlearn.datamodules.modular_addition
            "featlearn.theory.universality", "featlearn.lightning_modules.universality",
            "featlearn.lightning_modules.contrastive_regularization", "featlearn.experiments.universality",
            "featlearn.experiments.sweep", "featlearn.experiments.vit", "featlearn.gpu.compile", "featlearn.gpu.cases",
-           "featlearn.papers", "featlearn.bench.harness", "featlearn.quiet",
+           "featlearn.papers", "featlearn.bench.harness", "featlearn.bench.data", "featlearn.quiet",
            "featlearn.experiments.study", "featlearn.experiments.points", "featlearn.experiments.settings", "featlearn.experiments.sweep_file",
            "featlearn.experiments.vit_report", "featlearn.theory.universality_downstream",
            "featlearn.lightning_modules.seeds", "featlearn.datamodules.seeds", "featlearn.datamodules.rng"]

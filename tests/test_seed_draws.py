@@ -16,6 +16,8 @@ CASES = {  # name: (class, arguments, a different non-seed argument)
     "hidden": (HiddenRepresentationDataModule, HIDDEN, dict(sigma_S=2.0)),
     "hidden weighted, no spurious": (HiddenRepresentationDataModule, dict(HIDDEN, task_weights=[0.5, 0.2, 0.3], u=0),
                                      dict(target_task=1)),
+    # d = 8: where a batched product (or a contiguous copy of the transposed Haar dictionary) rounds differently
+    "hidden d = 8": (HiddenRepresentationDataModule, dict(T=2, s=2, r=4, u=2, mode="online"), dict(sigma_U=0.5)),
     "sparse random mask, shared pool": (SparseCodingDataModule, SPARSE, dict(mask_prob=0.3)),
     "sparse per-anchor, masked negatives": (SparseCodingDataModule, dict(SPARSE, negatives="per_anchor",
                                                                          num_negatives=3, augment_negatives=True),

@@ -1,4 +1,4 @@
-"""``featlearn bench op|step``: check every variant against float64, time them interleaved, write the tables.
+"""``featlearn bench op|step|data``: check every variant against float64, time them interleaved, write the tables.
 
 Usage:
     featlearn bench op                                   # every op, tiny size, on CUDA if there is one
@@ -6,6 +6,7 @@ Usage:
     featlearn bench step                                 # every method's training step at its main job's size
     featlearn bench step --method mrp --repeats 50
     featlearn bench step --fit                           # also `lightning fit` of each case, timed from its logs
+    featlearn bench data --seeds 3 8 32                  # a seed stack's batches: one draw vs in turn
     featlearn bench op --size gpu --device cuda --ceilings OUT/ceilings.csv     # featlearn gpu check part 2
 
 Writes ``<out>/<op|step>_<size>_<device>.{csv,md,png}`` (default ``benchmarks/results/bench``; the csv and md
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from featlearn.bench import harness, ops, steps
+from featlearn.bench import data, harness, ops, steps
 from featlearn.cli import _refuse
 from featlearn.gpu import ceilings as ceiling_file
 from featlearn.validation import default_device
@@ -55,7 +56,9 @@ def parser() -> argparse.ArgumentParser:
     sub = top.add_subparsers(dest="what", required=True, parser_class=_Parser)
     for name, choices, plural, sizes, help_ in (
             ("op", ops.OPS, "--op", ops.SIZES, "fused ops vs eager vs torch.compile"),
-            ("step", steps.METHODS, "--method", steps.SIZES, "one training step of each method vs a plain loop")):
+            ("step", steps.METHODS, "--method", steps.SIZES, "one training step of each method vs a plain loop"),
+            ("data", data.METHODS, "--method", data.SIZES,
+             "a seed stack's online batch: every seed's drawn in one call vs in turn")):
         p = sub.add_parser(name, help=help_, description=help_)
         p.add_argument(plural, nargs="+", choices=choices, default=None, metavar="NAME",
                        help=f"one or more of {', '.join(choices)} (default: all; at --size gpu, all that have it)")
@@ -75,6 +78,9 @@ def parser() -> argparse.ArgumentParser:
             p.add_argument("--fit", action="store_true",
                            help="also time `lightning fit` of each case in its own process, from its logs "
                                 "(featlearn.bench.user_fit; CPU sizes)")
+        if name == "data":
+            p.add_argument("--seeds", nargs="+", type=_positive, default=list(data.SEEDS), metavar="S",
+                           help=f"seeds in the stack, one case each (default: {' '.join(map(str, data.SEEDS))})")
         p.add_argument("--ceilings", type=Path, default=None,
                        help="ceilings.csv of `featlearn gpu check`: rates as shares of the measured ceilings")
     plot = sub.add_parser("plot", help="the PNG of tables written elsewhere (a GPU's $OUT)",
@@ -107,15 +113,17 @@ def run(argv: list[str] | None = None, extra_cases: list | None = None) -> tuple
         if missing:
             parser().error(f"--method: {missing[0]} has no --size gpu (those that do: {', '.join(steps.GPU_METHODS)})")
         names = names or list(steps.GPU_METHODS)
-    names = names or list(ops.OPS if args.what == "op" else steps.METHODS)
+    names = names or list({"op": ops.OPS, "step": steps.METHODS, "data": data.METHODS}[args.what])
     if args.ceilings is not None and not args.ceilings.is_file():
         parser().error(f"--ceilings: no such file {args.ceilings}")
     ceilings = ceiling_file.read(args.ceilings)
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    cases = (ops.cases(names, args.size, device) if args.what == "op" else
-             steps.cases(names, args.size, device, tuple(args.seeds), args.fit)) + (extra_cases or [])
+    cases = {"op": lambda: ops.cases(names, args.size, device),
+             "data": lambda: data.cases(names, args.size, device, tuple(args.seeds)),
+             "step": lambda: steps.cases(names, args.size, device, tuple(args.seeds), args.fit)}[args.what]()
+    cases += extra_cases or []
     if args.no_compile:
         for case in cases:
             case.variants = [v for v in case.variants if harness.COMPILED not in v.name]

@@ -161,7 +161,7 @@ def check(case: Case, device: torch.device, seed: int) -> list[Result]:
             note = ""
         except Exception as err:  # noqa: BLE001 - a variant that cannot run is reported, not fatal
             error, note = float("inf"), f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"
-        tolerance = variant.tolerance or TOLERANCE[case.dtype]
+        tolerance = TOLERANCE[case.dtype] if variant.tolerance is None else variant.tolerance  # 0: bit for bit
         passed = error <= tolerance
         precision = variant.precision or ("fp64" if case.dtype == torch.float64 else "ieee")
         results.append(Result(case.name, case.shape, variant.name, error, passed,
