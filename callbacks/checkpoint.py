@@ -3,7 +3,9 @@ a state mid-blow-up."""
 import signal
 import sys
 import threading
+import weakref
 
+from lightning.fabric.strategies.launchers import subprocess_script
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from featlearn.callbacks.divergence import DivergenceGuard, save_may_fall_due, check_guards
@@ -40,8 +42,17 @@ class FinalCheckpoint(ModelCheckpoint):
     _old_handler = None
 
     def on_train_start(self, trainer, pl_module) -> None:
+        global _RUNNING
+        _RUNNING = (weakref.ref(self), weakref.ref(trainer))
         if trainer.world_size == 1 and threading.current_thread() is threading.main_thread():
             self._old_handler = signal.signal(signal.SIGINT, self._on_sigint)
+
+    def lost_line(self, trainer, other: str) -> str:
+        """The one line a run that lost ``other`` (a rank) ends with: where, and which step ``last.ckpt`` holds."""
+        held = (f"{self.last_model_path} holds step {self._last_global_step_saved}" if self.last_model_path
+                else "no checkpoint was saved")
+        return (f"rank {trainer.global_rank}: lost {other} of {trainer.world_size} during step "
+                f"{trainer.global_step + 1}; {held}")
 
     def _on_sigint(self, signum, frame) -> None:
         if self._interrupted:  # the second Ctrl-C: the user does not want to wait for the step
@@ -71,10 +82,7 @@ class FinalCheckpoint(ModelCheckpoint):
         if trainer.world_size > 1 and lost_peer(exception):
             # the CLI prints this line instead of the traceback (featlearn.cli.main)
             other = f"rank {1 - trainer.global_rank}" if trainer.world_size == 2 else "another rank"
-            held = (f"{self.last_model_path} holds step {self._last_global_step_saved}" if self.last_model_path
-                    else "no checkpoint was saved")
-            exception.featlearn_message = (f"rank {trainer.global_rank}: lost {other} of {trainer.world_size} "
-                                           f"during step {trainer.global_step + 1}; {held}")
+            exception.featlearn_message = self.lost_line(trainer, other)
             return
         if not isinstance(exception, KeyboardInterrupt) or self._interrupt_saved:
             return  # a divergence keeps the checkpoint before it; a deferred interrupt has saved already
@@ -139,3 +147,23 @@ def lost_peer(exception: BaseException) -> bool:
             return True
         seen = seen.__cause__ or seen.__context__
     return False
+
+
+_RUNNING = None  # (checkpoint callback, trainer) of this process's run, as weak references: the observer's line
+
+
+class _LostRankObserver(subprocess_script._ChildProcessObserver):
+    """Lightning's watcher of the ranks it launched (a thread of rank 0's process) kills every process, rank 0
+    included, when one dies; when it wins the race against gloo's error in rank 0 (a poll every 5 s), the run
+    would end without a word. It says the lost-rank line first (:meth:`FinalCheckpoint.lost_line`)."""
+
+    def _terminate_all(self) -> None:
+        callback, trainer = (ref() for ref in _RUNNING) if _RUNNING else (None, None)
+        dead = [i + 1 for i, p in enumerate(self._child_processes) if p.returncode]
+        if callback is not None and trainer is not None and dead:
+            print(f"error: {callback.lost_line(trainer, f'rank {dead[0]}')}", file=sys.stderr, flush=True)
+        super()._terminate_all()
+
+
+subprocess_script._ChildProcessObserver = _LostRankObserver  # read by name when the launcher starts the watcher
+

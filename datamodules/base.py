@@ -56,15 +56,19 @@ _SHARED_EVAL_LIMIT = 4  # distributions kept per process (least recently used dr
 
 def matmul_per_seed(x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
     """``x[s] @ weights[s]`` for each seed ``s`` of ``x``'s leading axis, stacked: each seed's product as it computes
-    it alone, bit for bit, given the seeds' own weight tensors (a batched product, or a copy in another layout,
-    may round differently). For ``sample_seeds``.
+    it alone, bit for bit, given the seeds' own weight tensors. Each ``x[s]`` is copied first: BLAS picks its
+    kernels by layout and by address alignment, and a seed's own operand is a fresh (aligned) tensor while a
+    row of the stack sits at any offset; a batched product, or a copy of the weights in another layout, may
+    round differently too. For ``sample_seeds``.
 
     Example:
-        >>> x, w = torch.randn(3, 5, 4), [torch.randn(2, 4).t() for _ in range(3)]
-        >>> bool(torch.equal(matmul_per_seed(x, w)[1], x[1] @ w[1]))
+        >>> x, w = torch.randn(3, 5, 9), [torch.randn(2, 9).t() for _ in range(3)]
+        >>> alone = torch.randn(5, 9)
+        >>> x[1] = alone
+        >>> bool(torch.equal(matmul_per_seed(x, w)[1], alone @ w[1]))
         True
     """
-    return torch.stack([a @ w for a, w in zip(x, weights)])
+    return torch.stack([a.clone() @ w for a, w in zip(x, weights)])
 
 
 class _Indices(Dataset):
@@ -219,6 +223,13 @@ class SyntheticDataModule(L.LightningDataModule):
         whose :meth:`batch` adds nothing to an online sample but its ``index``. None (the default): the stack
         draws member by member (:class:`~featlearn.datamodules.seeds.SeedStackDataModule`)."""
         return None
+
+    def seeds_of(self, members: list, device) -> torch.Tensor:
+        """The members' seeds as a tensor on ``device``, made once (a copy to a GPU every step would wait)."""
+        key = (tuple(m.seed for m in members), str(device))
+        if getattr(self, "_seeds_of", (None,))[0] != key:
+            self._seeds_of = (key, torch.tensor(key[0], device=device))
+        return self._seeds_of[1]
 
     def _world(self) -> tuple[int, int, int]:
         """(global step, rank, world size) of the attached trainer, or of a single process without one."""

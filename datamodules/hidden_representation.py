@@ -211,7 +211,7 @@ class HiddenRepresentationDataModule(SyntheticDataModule):
         """The training pairs of every member in one draw (the products seed by seed, with each one's dictionary)."""
         if split != "train":
             return None
-        seeds = torch.tensor([m.seed for m in members], device=index.device)
+        seeds = self.seeds_of(members, index.device)
         return self._pairs(index, split, seeds, [m._const("M", index.device) for m in members])
 
     def labeled(self, task: int, index: torch.Tensor, split: Literal["val", "test"] = "val") -> dict[str, torch.Tensor]:

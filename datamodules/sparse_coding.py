@@ -202,7 +202,7 @@ class SparseCodingDataModule(SyntheticDataModule):
 
     def _sample(self, index: torch.Tensor, split: str, seed, M, w_star) -> dict[str, torch.Tensor]:
         x, z, xi = self._draw(index, split, (), _Q_SUPPORT, _Q_SIGN, _Q_NOISE, seed, M)
-        y = z @ w_star if M is None else torch.stack([zs @ ws for zs, ws in zip(z, w_star)])
+        y = z @ w_star if M is None else matmul_per_seed(z, w_star)
         out = {"x": x, "z": z, "xi": xi, "y_reg": y, "y_cls": torch.sign(y)}
         if split != "train":
             return out
@@ -219,8 +219,9 @@ class SparseCodingDataModule(SyntheticDataModule):
         them (per seed)."""
         if split != "train":
             return None
-        seeds = torch.tensor([m.seed for m in members], device=index.device)
-        M, w_star = ([m._const(n, index.device) for m in members] for n in ("M", "w_star"))
+        seeds = self.seeds_of(members, index.device)
+        M = [m._const("M", index.device) for m in members]
+        w_star = [m._const("w_star", index.device) for m in members]
         out = self._sample(index, split, seeds, M, w_star)
         return self._pool(out, index, lambda owned: torch.stack([pool_negatives(o, index, self.num_negatives)
                                                                   for o in owned]))

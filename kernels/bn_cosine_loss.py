@@ -454,12 +454,18 @@ def _bn_cosine_traced(p, z, out_norm: str, eps: float) -> torch.Tensor:
     """The loss as differentiable PyTorch, the forward's float64 statistics and formulas, autograd's backward:
     what ``torch.compile`` traces (a module's compiled loss). Dynamo's trace of the autograd.Function gave
     gradients of 0 on torch 2.11 with CUDA, values right (the GPU tests' compiled step, 2026-11-28); the
-    CPU on torch 2.13 agreed. Unsynced only: the all-gather has no autograd (compile is refused with seeds,
-    and DDP keeps the Function)."""
+    CPU on torch 2.13 agreed. Unsynced only: the all-gather has no autograd (:func:`_synced_untraced`)."""
     n = float(p.shape[0])
     if out_norm == "l2":
         return (_bn_cosine_fwd_torch(p, z, "l2", eps) / n).to(p.dtype)
     return _bn_loss(n, _bn_cosine_fwd_torch(p, z, "bn", 0.0), eps)[0].to(p.dtype)
+
+
+@torch.compiler.disable
+def _synced_untraced(p, z, out_norm: str, eps: float, backend: str, group) -> torch.Tensor:
+    """The synced loss under ``torch.compile`` (several ranks): the Function run eagerly, a graph break rather
+    than its trace (:func:`_bn_cosine_traced`)."""
+    return BNCosineLossFunction.apply(p, z, out_norm, eps, backend, True, group)
 
 
 @kb.profiled
@@ -492,7 +498,9 @@ def bn_cosine_loss(p: torch.Tensor, z: torch.Tensor, *, out_norm: str = "bn", ep
     _check_rows("bn_cosine_loss", p, out_norm, sync)
     if not z.requires_grad:
         z = z.detach()
-    if torch.compiler.is_compiling() and not sync:
+    if torch.compiler.is_compiling():  # the Function's trace: zero gradients on torch 2.11 CUDA (below)
+        if sync:
+            return _synced_untraced(p, z, out_norm, float(eps), backend, group)
         return _bn_cosine_traced(p, z, out_norm, float(eps))
     if backend == "triton":
         p, z = contiguous(p, z)

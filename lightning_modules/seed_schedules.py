@@ -42,11 +42,16 @@ def prepare_seeds(members: list, optimizer, seeds: list[int]) -> None:
     first.prepare_step(optimizer)
     if len(members) == 1 or type(first).prepare_step is FeatureLearningModule.prepare_step:
         return  # no schedule (the base hook does nothing)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    frozen = [p.requires_grad for p in params]  # a schedule may freeze a layer: one leaf holds every seed's
     shadows = []
     for member in members[1:]:  # each on copies of the groups, the same entries as the first member's
         shadow = SimpleNamespace(param_groups=[dict(group) for group in optimizer.param_groups])
         member.prepare_step(shadow)
         shadows.append(shadow.param_groups)
+        if [p.requires_grad for p in params] != frozen:
+            raise ConfigError("seeds", f"seeds whose {type(first).__name__} schedules freeze the same weights at "
+                                       "each step; train its seeds one run each", seeds)
     inner = getattr(optimizer, "optimizer", optimizer)  # Lightning's wrapper holds the torch optimizer
     for i, group in enumerate(optimizer.param_groups):
         for key, value in list(group.items()):

@@ -42,14 +42,14 @@ class ScheduledGD(torch.optim.Optimizer):
                     continue
                 if isinstance(lr, tuple) or isinstance(decay, tuple):  # seed s's values on row s, as it alone
                     n = len(p)
-                    for row, grad, lr_s, decay_s in zip(p, p.grad, _rows(lr, n), _rows(decay, n)):
+                    for row, grad, lr_s, decay_s in zip(p, p.grad, _per_row(lr, n), _per_row(decay, n), strict=True):
                         _update(row, grad, lr_s, decay_s)
                 else:
                     _update(p, p.grad, lr, decay)
         return loss
 
 
-def _rows(value, n: int) -> tuple:
+def _per_row(value, n: int) -> tuple:
     return value if isinstance(value, tuple) else (value,) * n
 
 

@@ -41,6 +41,10 @@ def _worker(rank: int, world: int, port: int, outdir: str):
             loss = bn_cosine_loss(pl, zl, out_norm=out_norm, eps=eps, backend=backend)  # sync=None: auto
             (g,) = torch.autograd.grad(loss, (pl,))
             res[(out_norm, eps, backend)] = (loss.detach(), g)
+        compiled = torch.compile(bn_cosine_loss, backend="eager")  # a compiled loss on several ranks
+        for out_norm, eps, _ in CASES:
+            loss = compiled(pl, zl, out_norm=out_norm, eps=eps)
+            res[("compiled", out_norm, eps)] = (loss.detach(), *torch.autograd.grad(loss, (pl,)))
         res["rho"] = bn_column_stats(pl.detach(), zl, backend="torch")["rho"]
         torch.save(res, os.path.join(outdir, f"rank{rank}.pt"))
     finally:
@@ -57,10 +61,11 @@ def test_two_process_gloo_equals_concatenated_batch(tmp_path):
         loss = bn_cosine_loss(pr, z, out_norm=out_norm, eps=eps, backend="torch", sync=False)
         (g,) = torch.autograd.grad(loss, (pr,))
         loss = loss.detach()
-        for r in range(2):  # every rank holds the global loss
-            assert float(ranks[r][case][0]) == pytest.approx(float(loss), rel=1e-12, abs=1e-14), case
-        g_dist = torch.cat([ranks[0][case][1], ranks[1][case][1]])
-        assert torch.allclose(g_dist, g, rtol=1e-10, atol=1e-14 * float(g.abs().max())), case
+        for key in (case, ("compiled", out_norm, eps)):  # under torch.compile too: the synced Function, untraced
+            for r in range(2):  # every rank holds the global loss
+                assert float(ranks[r][key][0]) == pytest.approx(float(loss), rel=1e-12, abs=1e-14), key
+            g_dist = torch.cat([ranks[0][key][1], ranks[1][key][1]])
+            assert torch.allclose(g_dist, g, rtol=1e-10, atol=1e-14 * float(g.abs().max())), key
         # and it differs from the per-rank (unsynced) loss: the test would catch missing statistics sync
         local = bn_cosine_loss(p[:ROWS[0]], z[:ROWS[0]], out_norm=out_norm, eps=eps, backend="torch", sync=False)
         assert abs(float(local) - float(loss)) > 1e-6

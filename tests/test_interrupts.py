@@ -54,3 +54,26 @@ def test_sigint_saves_the_last_finished_step(tmp_path):
     assert straight["global_step"] == step
     for key, value in straight["state_dict"].items():
         torch.testing.assert_close(saved["state_dict"][key], value, rtol=0, atol=0, msg=key)
+
+
+def test_the_launchers_watcher_says_the_lost_rank_line_before_it_kills(monkeypatch, capsys, tmp_path):
+    """Rank 0's thread that watches the launched ranks kills every process when one dies, and may do so before
+    gloo's error reaches rank 0: it prints the lost-rank line first (the race lost one CI run, 2026-11-28)."""
+    from types import SimpleNamespace
+
+    from lightning.fabric.strategies.launchers import subprocess_script
+    from featlearn.callbacks import checkpoint
+
+    dead = subprocess.Popen([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"])
+    dead.wait()
+    callback = checkpoint.FinalCheckpoint(dirpath=tmp_path, save_last=True)
+    callback.last_model_path, callback._last_global_step_saved = str(tmp_path / "last.ckpt"), 40
+    trainer = SimpleNamespace(global_rank=0, world_size=2, global_step=57)
+    monkeypatch.setattr(checkpoint, "_RUNNING", (lambda: callback, lambda: trainer))
+    killed = []
+    monkeypatch.setattr(subprocess_script.os, "kill", lambda pid, sig: killed.append(pid))
+    watcher = subprocess_script._ChildProcessObserver(main_pid=12345, child_processes=[dead])
+    assert isinstance(watcher, checkpoint._LostRankObserver)
+    assert watcher._run() is True and killed == [12345]
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: rank 0: lost rank 1 of 2 during step 58; {tmp_path / 'last.ckpt'} holds step 40"]

@@ -18,7 +18,9 @@ CASES = {  # name: (class, arguments, a different non-seed argument)
                                      dict(target_task=1)),
     # d = 8: where a batched product (or a contiguous copy of the transposed Haar dictionary) rounds differently
     "hidden d = 8": (HiddenRepresentationDataModule, dict(T=2, s=2, r=4, u=2, mode="online"), dict(sigma_U=0.5)),
+    "hidden d = 9": (HiddenRepresentationDataModule, dict(T=2, s=2, r=4, u=3, mode="online"), dict(u=2)),
     "sparse random mask, shared pool": (SparseCodingDataModule, SPARSE, dict(mask_prob=0.3)),
+    "sparse d = 9, d1 = 37": (SparseCodingDataModule, dict(SPARSE, d=9, d1=37), dict(d1=36)),
     "sparse per-anchor, masked negatives": (SparseCodingDataModule, dict(SPARSE, negatives="per_anchor",
                                                                          num_negatives=3, augment_negatives=True),
                                             dict(num_negatives=4)),
@@ -28,10 +30,11 @@ CASES = {  # name: (class, arguments, a different non-seed argument)
 }
 
 
+@pytest.mark.parametrize("batch", [29, 33])  # odd: a seed's rows of the stack start at unaligned addresses
 @pytest.mark.parametrize("case", list(CASES))
-def test_one_draw_gives_each_seed_its_own_batch(case):
+def test_one_draw_gives_each_seed_its_own_batch(case, batch):
     cls, args, other = CASES[case]
-    seeds, batch = [4, 0, 11], 29
+    seeds = [4, 0, 11, 7]
     members = [cls(seed=s, batch_size=batch, **args) for s in seeds]
     data = SeedStackDataModule(members, seeds)
     train = {"index": torch.arange(batch) + 5 * batch, "split": "train"}
@@ -44,6 +47,6 @@ def test_one_draw_gives_each_seed_its_own_batch(case):
             assert torch.equal(got["seeds"][row][key], value), (seeds[row], key)
             assert torch.equal(got["stacked"][key][row], value), (seeds[row], key)
     assert not torch.equal(got["seeds"][0]["x"], got["seeds"][1]["x"])
-    differs = SeedStackDataModule([*members[:2], cls(seed=11, batch_size=batch, **{**args, **other})], seeds)
+    differs = SeedStackDataModule([*members[:3], cls(seed=7, batch_size=batch, **{**args, **other})], seeds)
     assert "stacked" not in differs.on_after_batch_transfer(dict(train), 0)
     assert "stacked" not in data.on_after_batch_transfer({"index": torch.arange(8), "split": "val"}, 0)

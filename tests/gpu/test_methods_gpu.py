@@ -17,6 +17,7 @@
   merged; ``bn_column_stats`` shares that path).
 """
 import copy
+import importlib
 import math
 import os
 import socket
@@ -31,6 +32,7 @@ from lightning.pytorch.strategies import DDPStrategy
 
 from featlearn.bench.steps import module_step
 from featlearn.cli import make_cli
+from featlearn.experiments.study import Run
 from featlearn.kernels import bn_cosine_loss
 
 from tiny_sizes import BLOCK_PARITY, ERM_NU, GEMFILTER, HIDDEN, ICL, ICL_PARITY, LOOPED, XOR, MODADD, MRP, PARITY, PATCHES, SPARSE, TRANSFORMER, VIT, over
@@ -85,9 +87,11 @@ METHODS = {
     "erm_nu": ("erm_nu/theory.yaml", ERM_NU),
     "gemfilter": ("gemfilter/retrieval.yaml", GEMFILTER),  # ch. 9: a small decoder (SDPA, RoPE, depthwise conv)  # ch. 6: the nuclear norm of the batch features (an SVD)
 }
-# the methods with a compiled loss (``model.compile: true``), one config each
+# the methods with a compiled loss (``model.compile: true``), one config of each class (the sampled and population
+# non-contrastive steps are two losses of one class)
 COMPILED = ("mrp_teacher_student", "mrp_mae", "contrastive", "noncontrastive_sample", "noncontrastive_population",
-            "vit_mae", "vit_cl", "two_layer", "universality", "modular_addition")
+            "vit_mae", "vit_cl", "two_layer", "two_layer_ntk", "universality", "modular_addition",
+            "modular_transformer")
 # the 1-rank DDP run: at one rank the methods skip their own collectives (world size 1), so what it checks
 # is DDP itself on nccl around the fused ops: the initial broadcast of parameters and buffers and the
 # gradient all-reduce, in float32 (contrastive: soft threshold; vit_cl: attention) and float64
@@ -159,6 +163,7 @@ def test_step_matches_cpu_float64(gpu_device, name):
     want = _state(ref)
     assert any(not torch.equal(want[k].double(), before[k].double()) for k, _ in ref.named_parameters()), \
         "the step changed no parameter: nothing to compare"
+    eager = None
     for compiled in (False, True)[:1 + (name in COMPILED)]:
         run = copy.deepcopy(model)
         if gpu_device.type == "cpu" and "backend" in model.hparams and not compiled:
@@ -173,11 +178,24 @@ def test_step_matches_cpu_float64(gpu_device, name):
         assert got.keys() == want.keys()
         bad = compare_states(got, want, before, dtype, label)
         assert not bad, f"{label} ({dtype}) on {gpu_device} vs CPU float64: {bad}"
+        eager = eager or run
     # the end-of-run metrics (hp/* and the experiments' tables) on the device: a CPU-made tensor meeting a
     # CUDA one fails only here (universality's ridge fit did, 2026-11-27)
-    final, final_ref = run.final_metrics(), ref.final_metrics()
+    final, final_ref = eager.final_metrics(), ref.final_metrics()
     assert final.keys() == final_ref.keys()
     assert all(math.isfinite(v) for v in final.values()), f"{name}: non-finite final metrics {final}"
+
+
+def test_every_compiled_loss_has_a_compiled_step(gpu_device):
+    """Each module class with a compiled loss (``compiled_loss``) among :data:`METHODS` has a config in
+    :data:`COMPILED` (its classes read from the configs, as ``lightning fit`` resolves them)."""
+    classes = {}
+    for name, (config, *_) in METHODS.items():
+        module, _, cls = Run(config, name).resolved()["model"]["class_path"].rpartition(".")
+        if getattr(importlib.import_module(module), cls).compiled_loss is not None:
+            classes.setdefault(cls, set()).add(name)
+    missing = {cls: sorted(names) for cls, names in classes.items() if not names & set(COMPILED)}
+    assert not missing, f"add one config of each to COMPILED: {missing}"
 
 
 # ---------------------------------------------------------------------------------------------------
