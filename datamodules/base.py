@@ -54,20 +54,22 @@ _SHARED_EVAL_SPLITS: "OrderedDict[tuple, dict]" = OrderedDict()
 _SHARED_EVAL_LIMIT = 4  # distributions kept per process (least recently used dropped first)
 
 
-def matmul_per_seed(x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
-    """``x[s] @ weights[s]`` for each seed ``s`` of ``x``'s leading axis, stacked: each seed's product as it computes
-    it alone, bit for bit, given the seeds' own weight tensors. Each ``x[s]`` is copied first: BLAS picks its
-    kernels by layout and by address alignment, and a seed's own operand is a fresh (aligned) tensor while a
-    row of the stack sits at any offset; a batched product, or a copy of the weights in another layout, may
-    round differently too. For ``sample_seeds``.
+def matmul_per_seed(x: torch.Tensor, weights: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
+    """``x @ weights`` for one seed; for a list of weights, one per seed of ``x``'s leading axis, ``x[s] @
+    weights[s]`` seed by seed, stacked: each seed's product as it computes it alone, bit for bit, given the
+    seeds' own weight tensors. Each ``x[s]`` is copied first: BLAS picks its kernels by layout and by address
+    alignment, and a seed's own operand is a fresh (aligned) tensor while a row of the stack sits at any
+    offset; a batched product, or a copy of the weights in another layout, may round differently too.
 
     Example:
         >>> x, w = torch.randn(3, 5, 9), [torch.randn(2, 9).t() for _ in range(3)]
         >>> alone = torch.randn(5, 9)
         >>> x[1] = alone
-        >>> bool(torch.equal(matmul_per_seed(x, w)[1], alone @ w[1]))
+        >>> bool(torch.equal(matmul_per_seed(x, w)[1], matmul_per_seed(alone, w[1])))
         True
     """
+    if torch.is_tensor(weights):
+        return x @ weights
     return torch.stack([a.clone() @ w for a, w in zip(x, weights)])
 
 

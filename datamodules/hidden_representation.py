@@ -188,31 +188,28 @@ class HiddenRepresentationDataModule(SyntheticDataModule):
         draw = rng.uniform(seed, self.stream(split, _Q_TASK), index, (), torch.float64)
         return tasks[torch.bucketize(draw, edges, right=True)]
 
-    def _pairs(self, index: torch.Tensor, split: str, seed, M) -> dict[str, torch.Tensor]:
-        """Pretraining pairs of one seed (``M [d, d]``) or of a tensor of seeds (``M``: their dictionaries)."""
+    def _pairs(self, index: torch.Tensor, split: str, seed, Mt) -> dict[str, torch.Tensor]:
+        """Pretraining pairs of one seed (``Mt = M^T``) or of a tensor of seeds (``Mt``: a list, one per seed)."""
         task = self._tasks(index, split, seed)
         z = self._latents(index, split, task, seed)
-
-        def mix(z):  # x = M z
-            return z @ M.mT if torch.is_tensor(M) else matmul_per_seed(z, [m.mT for m in M])
-        x = mix(z)
+        x = matmul_per_seed(z, Mt)
         if self.u:
             z[..., self.k:] = self.sigma_U * rng.normal(seed, self.stream(split, _Q_U_POS), index, (self.u,))
-        return {"x": x, "x_pos": mix(z), "task": task}
+        return {"x": x, "x_pos": matmul_per_seed(z, Mt), "task": task}
 
     def sample(self, index: torch.Tensor, split: str) -> dict[str, torch.Tensor]:
         """Training: pretraining pairs ``x, x_pos, task`` from the mixture; validation / test: labelled
         samples of the target task (:meth:`labeled`)."""
         if split != "train":
             return self.labeled(self.target_task, index, split)
-        return self._pairs(index, split, self.seed, self._const("M", index.device))
+        return self._pairs(index, split, self.seed, self._const("M", index.device).mT)
 
     def sample_seeds(self, members: list, index: torch.Tensor, split: str) -> dict[str, torch.Tensor] | None:
         """The training pairs of every member in one draw (the products seed by seed, with each one's dictionary)."""
         if split != "train":
             return None
         seeds = self.seeds_of(members, index.device)
-        return self._pairs(index, split, seeds, [m._const("M", index.device) for m in members])
+        return self._pairs(index, split, seeds, [m._const("M", index.device).mT for m in members])
 
     def labeled(self, task: int, index: torch.Tensor, split: Literal["val", "test"] = "val") -> dict[str, torch.Tensor]:
         """Labelled samples of ``task``: ``x``, ``z``, ``y`` (float32) and ``task``. Sample ``i`` of task ``t`` is a

@@ -181,16 +181,16 @@ class SparseCodingDataModule(SyntheticDataModule):
     # sampling
     # ------------------------------------------------------------------------------------------
     def _draw(self, index: torch.Tensor, split: str, shape: tuple[int, ...], q_support: int, q_sign: int,
-              q_noise: int, seed=None, M: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
-        """``x, z, xi`` of one seed, or of a tensor of ``S`` seeds with their dictionaries ``M`` (a list)."""
+              q_noise: int, seed=None, Mt=None) -> tuple[torch.Tensor, ...]:
+        """``x, z, xi`` of one seed, or of a tensor of ``S`` seeds with their dictionaries' transposes ``Mt`` (a
+        list)."""
         s, seed = self.stream, self.seed if seed is None else seed
+        Mt = self._const("M", index.device).t() if Mt is None else Mt
         support = rng.bernoulli(seed, s(split, q_support), index, shape + (self.d,), self.p)
         sign = rng.bernoulli(seed, s(split, q_sign), index, shape + (self.d,), 0.5)
         z = support.float() * torch.where(sign, 1.0, -1.0)
         xi = self.sigma_xi * rng.normal(seed, s(split, q_noise), index, shape + (self.d1,))
-        if M is None:
-            return z @ self._const("M", index.device).t() + xi, z, xi
-        return matmul_per_seed(z, [m.t() for m in M]) + xi, z, xi
+        return matmul_per_seed(z, Mt) + xi, z, xi
 
     def _mask_views(self, x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         q = self.mask_prob
@@ -200,9 +200,9 @@ class SparseCodingDataModule(SyntheticDataModule):
         """Samples with these indices on ``index.device``; training adds views and negatives."""
         return self._sample(index, split, self.seed, None, self._const("w_star", index.device))
 
-    def _sample(self, index: torch.Tensor, split: str, seed, M, w_star) -> dict[str, torch.Tensor]:
-        x, z, xi = self._draw(index, split, (), _Q_SUPPORT, _Q_SIGN, _Q_NOISE, seed, M)
-        y = z @ w_star if M is None else matmul_per_seed(z, w_star)
+    def _sample(self, index: torch.Tensor, split: str, seed, Mt, w_star) -> dict[str, torch.Tensor]:
+        x, z, xi = self._draw(index, split, (), _Q_SUPPORT, _Q_SIGN, _Q_NOISE, seed, Mt)
+        y = matmul_per_seed(z, w_star)
         out = {"x": x, "z": z, "xi": xi, "y_reg": y, "y_cls": torch.sign(y)}
         if split != "train":
             return out
@@ -211,7 +211,7 @@ class SparseCodingDataModule(SyntheticDataModule):
             out["x_a"], out["x_q"] = self._mask_views(x, mask)
         else:
             out["x_a"], out["x_q"] = x, x
-        out["x_neg"] = self._negatives(index, split, self.negatives_per_anchor(), seed, M)  # pooled in batch()
+        out["x_neg"] = self._negatives(index, split, self.negatives_per_anchor(), seed, Mt)  # pooled in batch()
         return out
 
     def sample_seeds(self, members: list, index: torch.Tensor, split: str) -> dict[str, torch.Tensor] | None:
@@ -220,9 +220,9 @@ class SparseCodingDataModule(SyntheticDataModule):
         if split != "train":
             return None
         seeds = self.seeds_of(members, index.device)
-        M = [m._const("M", index.device) for m in members]
+        Mt = [m._const("M", index.device).t() for m in members]
         w_star = [m._const("w_star", index.device) for m in members]
-        out = self._sample(index, split, seeds, M, w_star)
+        out = self._sample(index, split, seeds, Mt, w_star)
         return self._pool(out, index, lambda owned: torch.stack([pool_negatives(o, index, self.num_negatives)
                                                                   for o in owned]))
 
@@ -237,10 +237,10 @@ class SparseCodingDataModule(SyntheticDataModule):
         global_batch = self.sizes["train"] if self.batch_size is None else self.batch_size * self._world()[2]
         return math.ceil(self.num_negatives / global_batch)
 
-    def _negatives(self, index: torch.Tensor, split: str, r: int, seed=None, M=None) -> torch.Tensor:
-        xn, _, _ = self._draw(index, split, (r,), _Q_NEG_SUPPORT, _Q_NEG_SIGN, _Q_NEG_NOISE, seed, M)
+    def _negatives(self, index: torch.Tensor, split: str, r: int, seed=None, Mt=None) -> torch.Tensor:
+        seed = self.seed if seed is None else seed
+        xn, _, _ = self._draw(index, split, (r,), _Q_NEG_SUPPORT, _Q_NEG_SIGN, _Q_NEG_NOISE, seed, Mt)
         if self.augment_negatives:
-            seed = self.seed if seed is None else seed
             mneg = rng.bernoulli(seed, self.stream(split, _Q_NEG_MASK), index, (r, self.d1), self.mask_prob)
             xn = torch.where(mneg, xn / self.mask_prob, 0.0)
         return xn
