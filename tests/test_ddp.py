@@ -173,7 +173,7 @@ def _fit_logged(tmp_path: Path, config: str, overrides: list, devices: int, batc
     return {tag: events.Scalars(tag)[-1].value for tag in events.Tags()["scalars"] if tag.startswith(prefix)}
 
 
-@pytest.mark.parametrize("name", ["vit_cl", "vit_mae"])
+@pytest.mark.parametrize("name", ["vit_cl", pytest.param("vit_mae", marks=pytest.mark.slow)])  # CL: gathers, MAE not
 def test_vit_logged_run_ends_on_two_processes_with_the_one_process_results(tmp_path, name):
     """With a logger, the end of training evaluates the last batch (CL: an all_gather of the negatives;
     both: the metrics' all_reduce) on every rank before rank 0 draws; the ``hp/`` results are those of the
@@ -186,7 +186,8 @@ def test_vit_logged_run_ends_on_two_processes_with_the_one_process_results(tmp_p
         assert double[tag] == pytest.approx(value, rel=1e-4, abs=1e-6), tag
 
 
-@pytest.mark.parametrize("name, prefix", [("contrastive", ""), ("mrp_teacher_student", ""),
+@pytest.mark.parametrize("name, prefix", [("contrastive", ""),
+                                          pytest.param("mrp_teacher_student", "", marks=pytest.mark.slow),
                                           pytest.param("erm_nu", "", marks=pytest.mark.slow)])
 def test_logged_batch_metrics_are_the_global_batchs(tmp_path, name, prefix):
     """Batch-mean training metrics (losses, firing rates, positive-pair probabilities) logged on two processes
