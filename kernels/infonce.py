@@ -94,7 +94,7 @@ class InfoNCEStopGradFunction(torch.autograd.Function):
 # ----------------------------------------------------------------------------------------------
 @profiled
 def infonce_stopgrad(h_anchor: torch.Tensor, h_pos: torch.Tensor, h_neg: torch.Tensor, temperature: float,
-                     chunk_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     chunk_size: int | None = None, *, vmappable: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-anchor stop-gradient InfoNCE (Wen & Li 2021, Def. 2.2) and the positive's softmax weight.
 
     ``loss_k = -<a_k, q_k> + tau * logsumexp([<a_k,q_k>, <a_k,n_s>]_s / tau)`` with ``q`` and the
@@ -102,7 +102,10 @@ def infonce_stopgrad(h_anchor: torch.Tensor, h_pos: torch.Tensor, h_neg: torch.T
     they are streamed in blocks of ``chunk_size`` (default: all at once), so memory is
     ``O(K * chunk)``. The backward pass is the closed form ``g = O - f(q)`` (no K x N matrix saved).
 
-    Returns ``(loss [K], p_pos [K])``; ``p_pos`` carries no gradient.
+    Returns ``(loss [K], p_pos [K])``; ``p_pos`` carries no gradient. ``vmappable``: plain PyTorch ops instead of
+    the autograd.Function, which ``torch.func.vmap`` can batch (a seed stack's step): the same loss, ``p_pos`` and
+    anchor gradient, bit for bit (the closed form enters as ``loss + <a, g> - sg(<a, g>)``, whose value is the
+    loss and whose gradient is ``g`` times the incoming one, the Function's product).
 
     Example:
         >>> a = torch.randn(4, 8, requires_grad=True)
@@ -119,6 +122,11 @@ def infonce_stopgrad(h_anchor: torch.Tensor, h_pos: torch.Tensor, h_neg: torch.T
     chunk = n if chunk_size is None else int(chunk_size)
     if chunk < 1:
         raise ConfigError("chunk_size", "a positive integer or None", chunk_size)
+    if vmappable:
+        with torch.no_grad():
+            loss, p_pos, grad = _infonce_fwd_torch(h_anchor, h_pos.detach(), h_neg.detach(), float(temperature), chunk)
+        pull = (h_anchor * grad).sum(-1)
+        return loss + (pull - pull.detach()), p_pos
     return InfoNCEStopGradFunction.apply(h_anchor, h_pos, h_neg, float(temperature), chunk)
 
 

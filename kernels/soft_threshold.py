@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from featlearn.errors import ConfigError
 from featlearn.kernels import backend as kb  # kb.new_output: the allocation tests poison
 from featlearn.kernels.backend import (FMA_TILES, GEMM_TILES, INTERPRETER_GEMM_TILE, MMA_TILES, acc_dtype, autotune,
                                        blocks, check_backend, check_float_inputs, contiguous, grouped_grid,
@@ -241,7 +242,7 @@ def symmetric_relu(u: torch.Tensor, bias: torch.Tensor | float) -> torch.Tensor:
 
 @kb.profiled
 def soft_threshold_layer(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *,
-                         backend: str = "auto", input_precision: str = "auto") -> torch.Tensor:
+                         backend: str = "auto", input_precision: str = "auto", vmappable: bool = False) -> torch.Tensor:
     """Soft-threshold layer ``ReLU(x W^T - b) - ReLU(-x W^T - b)``, differentiable in x, W and b.
 
     Args:
@@ -253,6 +254,9 @@ def soft_threshold_layer(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | 
             float64), ``"tf32"`` or ``"ieee"`` (exact float32 products; what contrastive stage-I runs want,
             their signals being ~1e-2 relative). Float64 is always IEEE; the PyTorch fallback ignores it
             (see ``featlearn.kernels.backend.resolve_precision``).
+        vmappable: the PyTorch form with autograd's backward instead of the autograd.Function, which
+            ``torch.func.vmap`` can batch (a seed stack's step; ``backend`` ``auto`` or ``torch``): the same values;
+            the gradients to rounding (autograd forms ``W``'s as ``(x^T g)^T``).
 
     Returns ``[B, m]`` activations in ``x.dtype``.
     """
@@ -266,6 +270,11 @@ def soft_threshold_layer(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | 
         bias = torch.zeros(w.shape[0], device=w.device, dtype=w.dtype)
     if bias.shape != (w.shape[0],):
         refuse_shape("soft_threshold_layer", "bias", bias, f"must be a 1-D tensor [{w.shape[0]}]")
+    if vmappable:
+        if backend == "triton":
+            raise ConfigError("backend", "auto or torch with vmappable=True (the Triton kernels have no vmap rule)",
+                              backend)
+        return symmetric_relu(x @ w.t(), bias)
     which = resolve_backend(backend, x, w, bias)
     if which == "torch" and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or bias.requires_grad)):
         return symmetric_relu(x @ w.t(), bias)  # the fallback's forward without the code only a backward reads

@@ -36,31 +36,19 @@ from typing import Literal
 
 import torch
 
-from featlearn.checkpoints import class_path, read_checkpoint
 from featlearn.datamodules.sparse_coding import SparseCodingDataModule
 from featlearn.errors import ConfigError
 from featlearn.kernels.backend import Backend, Precision
 from featlearn.kernels.infonce import infonce_stopgrad
 from featlearn.kernels.soft_threshold import soft_threshold_layer
 from featlearn.lightning_modules.base import FeatureLearningModule
-from featlearn.lightning_modules.contrastive_regularization import ContrastiveRegularization
+from featlearn.lightning_modules.contrastive_regularization import ContrastiveRegularization, start_from_checkpoint
 from featlearn.metrics.probes import SplitBuffer, all_gather_cat
 from featlearn.theory.contrastive import (EVAL_KEYS, advance_stages, downstream_metrics, feature_metrics, feature_scalars,
-                                          grown_bias)
+                                          grown_bias, tags)
 from featlearn.validation import NonNegativeFloat, PositiveFloat, PositiveInt, check_args, check_memory, int_at_least
 
-__all__ = ["ContrastiveModule", "tags"]
-
-
-def tags(section: str, metrics: dict) -> dict:
-    """The logger's names of a metrics dict: ``<section>/<key>`` lower-cased (the module's own dicts keep their
-    keys, which tables and sweeps read).
-
-    Example:
-        >>> tags("theory", {"stage/T1": 3.0, "features/coverage": 1.0})
-        {'theory/stage/t1': 3.0, 'theory/features/coverage': 1.0}
-    """
-    return {f"{section}/{key.lower()}": value for key, value in metrics.items()}
+__all__ = ["ContrastiveModule"]
 
 
 class ContrastiveModule(FeatureLearningModule):
@@ -158,29 +146,14 @@ class ContrastiveModule(FeatureLearningModule):
         else:
             self.register_buffer("bias", zeros)
         self.register_ground_truth("M", dm.M)
+        self.same_views = dm.augment == "none"  # x_q is x_a, which vmap's tensors cannot tell
         self.register_buffer("norm_T1", torch.zeros(self.m))
         self.register_buffer("rho_peak", torch.zeros(()), persistent=False)  # in the checkpoint's stage record
         self._prev_norm = None
         self.cr = None
         if hp.cr_reference is not None:
-            self._start_from_reference(hp.cr_reference)
+            start_from_checkpoint(self, "model.cr_reference", hp.cr_reference, ("w", "bias"))
             self.cr = ContrastiveRegularization(gamma=hp.cr_gamma).anchor({"w": self.w})
-
-    def _start_from_reference(self, path: str) -> None:
-        """Copy ``w`` (and the bias) of a checkpoint of this module with the same sizes."""
-        ckpt = read_checkpoint("model.cr_reference", path)
-        wanted = f"{type(self).__module__}.{type(self).__qualname__}"
-        found = class_path(ckpt)
-        state = ckpt["state_dict"]
-        if (found is not None and found != wanted) or "w" not in state:
-            raise ConfigError("model.cr_reference", f"a checkpoint of {type(self).__name__}", f"{path} ({found})")
-        if state["w"].shape != self.w.shape:
-            raise ConfigError("model.cr_reference", f"a checkpoint with w of shape {tuple(self.w.shape)} (width x d1)",
-                              f"{path} (w {tuple(state['w'].shape)})")
-        with torch.no_grad():
-            self.w.copy_(state["w"])
-            if "bias" in state:
-                self.bias.copy_(state["bias"])
 
     def configure_optimizers(self):
         groups = [{"params": [self.w], "weight_decay": self.lam}]
@@ -189,11 +162,11 @@ class ContrastiveModule(FeatureLearningModule):
         return torch.optim.SGD(groups, lr=self.hparams.lr, momentum=0.0)
 
     # ------------------------------------------------------------------------------------------
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Representation ``f(x) [.., m]`` of inputs ``[.., d1]``."""
+    def forward(self, x: torch.Tensor, vmappable: bool = False) -> torch.Tensor:
+        """Representation ``f(x) [.., m]`` of inputs ``[.., d1]`` (``vmappable``: the layer's form for vmap)."""
         shape = x.shape[:-1]
         h = soft_threshold_layer(x.reshape(-1, self.d1), self.w, self.bias, backend=self.hparams.backend,
-                                 input_precision=self.hparams.input_precision)
+                                 input_precision=self.hparams.input_precision, vmappable=vmappable)
         return h.reshape(*shape, self.m)
 
     def contrastive_loss(self, batch: dict, stats: bool = True) -> tuple[torch.Tensor, dict | None]:
@@ -225,18 +198,45 @@ class ContrastiveModule(FeatureLearningModule):
         """
         return self.datamodule_class.pool_negatives(all_gather_cat(h_owned), all_gather_cat(index), size)
 
+    @property
+    def seeds_vmap(self) -> bool:
+        """Several seeds in one run step through one ``vmap`` of :meth:`seed_loss` on one process (several gather
+        the negatives, which vmap cannot) unless the Triton kernels are asked for (they have no vmap rule)."""
+        return self.hparams.backend != "triton" and not (self._trainer is not None and self.trainer.world_size > 1)
+
+    def seed_loss(self, batch: dict) -> torch.Tensor:
+        """The step's mean loss from the two fused ops' vmappable PyTorch forms (:meth:`contrastive_loss`'s values;
+        the gradient to rounding): a pure function of the weights and the batch, vmapped over a stack's seeds."""
+        ha = self(batch["x_a"], vmappable=True)
+        with torch.no_grad():
+            hq = ha.detach() if self.same_views else self(batch["x_q"], vmappable=True)
+            hn = self(batch["x_neg"], vmappable=True)
+        return infonce_stopgrad(ha, hq, hn, self.tau, self.hparams.loss_chunk_size, vmappable=True)[0].mean()
+
+    def record_step(self, loss: torch.Tensor, batch: dict) -> torch.Tensor:
+        """A stacked seed's :meth:`training_step` after its vmapped loss (statistics: a forward without gradient)."""
+        self._prev_norm = self.w.detach().norm(dim=1)
+        if self._trainer is not None and self.theory_due():
+            with torch.no_grad():
+                self._log_step(loss, self.contrastive_loss(batch)[1])
+        return loss
+
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         self._prev_norm = self.w.detach().norm(dim=1)
         loss, st = self.contrastive_loss(batch, stats=self._trainer is not None and self.theory_due())
-        if st is not None:  # only written steps (a self.log costs ~0.5 ms); sync_dist: the global batch's means
-            self.log("train/loss", loss, sync_dist=True)
-            self.log("train/loss_normalized", loss / st["uniform"], prog_bar=True, sync_dist=True)
-            self.log("train/objective", loss.detach() + 0.5 * self.lam * (self.w.detach() ** 2).sum(), sync_dist=True)
-            self.log_dict({"train/p_pos_mean": st["p_pos"], "train/uniform_dev": st["uniform_dev"],
-                           "train/fire_rate_anchor": st["fire_anchor"], "train/fire_rate_pos": st["fire_pos"],
-                           "train/fire_rate_neg": st["fire_neg"], "train/active_per_sample": st["active_per_sample"]},
-                          sync_dist=True)
+        if st is not None:  # only written steps: a self.log costs ~0.5 ms
+            self._log_step(loss, st)
         return loss
+
+    def _log_step(self, loss: torch.Tensor, st: dict) -> None:
+        """A written step's loss and batch statistics (sync_dist: the global batch's means)."""
+        self.log("train/loss", loss, sync_dist=True)
+        self.log("train/loss_normalized", loss / st["uniform"], prog_bar=True, sync_dist=True)
+        self.log("train/objective", loss.detach() + 0.5 * self.lam * (self.w.detach() ** 2).sum(), sync_dist=True)
+        self.log_dict({"train/p_pos_mean": st["p_pos"], "train/uniform_dev": st["uniform_dev"],
+                       "train/fire_rate_anchor": st["fire_anchor"], "train/fire_rate_pos": st["fire_pos"],
+                       "train/fire_rate_neg": st["fire_neg"], "train/active_per_sample": st["active_per_sample"]},
+                      sync_dist=True)
 
     # ------------------------------------------------------------------------------------------
     def finish_step(self, step: int) -> None:

@@ -32,9 +32,27 @@ from __future__ import annotations
 
 import torch
 
+from featlearn.checkpoints import class_path, read_checkpoint
 from featlearn.errors import ConfigError
 
-__all__ = ["ContrastiveRegularization", "trust_region_"]
+__all__ = ["ContrastiveRegularization", "trust_region_", "start_from_checkpoint"]
+
+
+@torch.no_grad()
+def start_from_checkpoint(module: torch.nn.Module, field: str, path: str, names: tuple[str, ...]) -> None:
+    """Copy the tensors ``names`` of a checkpoint of ``module``'s own class at ``path`` into ``module`` (the first
+    one required, the others where the checkpoint has them): the reference a trust region is anchored at. Another
+    class, a missing first tensor or another shape is refused under ``field`` (the config field of ``path``)."""
+    ckpt = read_checkpoint(field, path)
+    found, state = class_path(ckpt), ckpt["state_dict"]
+    if (found is not None and found != f"{type(module).__module__}.{type(module).__qualname__}") or names[0] not in state:
+        raise ConfigError(field, f"a checkpoint of {type(module).__name__}", f"{path} ({found})")
+    for name in (n for n in names if n in state):
+        mine = getattr(module, name)
+        if state[name].shape != mine.shape:
+            raise ConfigError(field, f"a checkpoint with {name} of shape {tuple(mine.shape)}",
+                              f"{path} ({name} {tuple(state[name].shape)})")
+        mine.copy_(state[name])
 
 
 @torch.no_grad()

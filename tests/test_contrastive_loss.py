@@ -48,6 +48,34 @@ def test_streamed_loss_and_grad_match_autograd_and_closed_form(K, N, m, per_anch
     assert torch.allclose(p_pos, torch.softmax(logits, -1)[:, 0], rtol=1e-12)
 
 
+@pytest.mark.parametrize("per_anchor", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_vmappable_loss_is_the_functions_bit_for_bit(per_anchor, dtype):
+    """``vmappable=True`` (plain ops; a seed stack's step): loss, p_pos and the anchor's gradient bit for bit the
+    autograd.Function's, streamed in blocks; under ``torch.func.vmap`` over three seeds, each row its own call's to
+    rounding (a batched product may sum in another order)."""
+    g = torch.Generator().manual_seed(7)
+    K, N, m = 13, 21, 9
+    ha = torch.randn(3, K, m, generator=g, dtype=dtype)
+    hq = torch.randn(3, K, m, generator=g, dtype=dtype)
+    hn = torch.randn(3, *((K, N) if per_anchor else (N,)), m, generator=g, dtype=dtype)
+    weights = torch.rand(K, generator=g, dtype=dtype)  # the incoming gradient, not all ones
+    batched = ha.clone().requires_grad_()
+    loss, p_pos = torch.func.vmap(lambda a, q, n: infonce_stopgrad(a, q, n, 1.7, 8, vmappable=True))(batched, hq, hn)
+    (loss * weights).sum().backward()
+    for s in range(3):
+        plain, function = ha[s].clone().requires_grad_(), ha[s].clone().requires_grad_()
+        mine = infonce_stopgrad(plain, hq[s], hn[s], 1.7, 8, vmappable=True)
+        theirs = infonce_stopgrad(function, hq[s], hn[s], 1.7, 8)
+        (mine[0] * weights).sum().backward()
+        (theirs[0] * weights).sum().backward()
+        for a, b in ((mine[0], theirs[0]), (mine[1], theirs[1]), (plain.grad, function.grad)):
+            assert torch.equal(a.detach(), b.detach()), float((a - b).abs().max())
+        tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-13)
+        for a, b in ((loss[s], theirs[0]), (p_pos[s], theirs[1]), (batched.grad[s], function.grad)):
+            torch.testing.assert_close(a.detach(), b.detach(), **tol)
+
+
 def test_paper_printed_sign_is_wrong():
     """The paper prints +(1 - l_p) f(q); the autograd gradient has -(1 - l_p) f(q)."""
     ha, hq, hn = _hs(5, 6, 9, 4, False)

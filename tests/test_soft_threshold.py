@@ -167,3 +167,25 @@ def test_fallback_without_gradient_skips_the_code_and_gives_the_same_values(dtyp
     assert with_grad.grad_fn is not None and without.grad_fn is None
     assert torch.equal(with_grad.detach(), without)
     assert (without - st.soft_threshold_reference(x.double(), w.detach().double(), b.double())).abs().max() < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_vmappable_form_batches_seeds_under_vmap(dtype):
+    """``vmappable=True`` (a seed stack's step): values bit for bit the Function's, gradients of x, W and b to
+    rounding; under ``torch.func.vmap`` over three seeds each seed's row is its own call's to rounding (a batched
+    product may sum in another order); the Triton backend is refused with it."""
+    seeds = [tuple(t.to(dtype) for t in _inputs(40 + s, (29, 37, 19), "mixed")[:3]) for s in range(3)]
+    g = torch.randn(3, 29, 19, dtype=dtype)
+    stacked = [torch.stack(ts).requires_grad_() for ts in zip(*seeds)]
+    out = torch.func.vmap(lambda x, w, b: st.soft_threshold_layer(x, w, b, vmappable=True))(*stacked)
+    (out * g).sum().backward()
+    for s, one in enumerate(seeds):
+        mine = [t.clone().requires_grad_() for t in one]
+        ref = st.soft_threshold_layer(*mine, backend="torch")
+        (ref * g[s]).sum().backward()
+        assert torch.equal(st.soft_threshold_layer(*one, vmappable=True), ref.detach())
+        torch.testing.assert_close(out[s], ref, rtol=TOL[dtype], atol=TOL[dtype])
+        for leaf, own in zip(stacked, mine):
+            torch.testing.assert_close(leaf.grad[s], own.grad, rtol=TOL[dtype], atol=TOL[dtype])
+    with pytest.raises(ConfigError, match="^backend"):
+        st.soft_threshold_layer(*seeds[0], backend="triton", vmappable=True)

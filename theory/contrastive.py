@@ -23,7 +23,8 @@ import torch
 from featlearn.metrics.features import mean_cosine
 from featlearn.metrics.probes import logistic_probe, ridge_probe
 
-__all__ = ["grown_bias", "active_threshold", "feature_metrics", "feature_scalars", "downstream_metrics", "EVAL_KEYS"]
+__all__ = ["grown_bias", "active_threshold", "feature_metrics", "feature_scalars", "downstream_metrics", "EVAL_KEYS",
+           "tags"]
 
 EVAL_KEYS = ("x", "xi", "y_reg", "y_cls")
 """What :func:`downstream_metrics` needs of an evaluation split."""
@@ -140,3 +141,14 @@ def downstream_metrics(encode, train: dict, test: dict, ridge: float, max_sample
                 "act/fire_rate_raw": (fte != 0).float().mean()}
     out.update(zip(geometry, torch.stack(list(geometry.values())).tolist()))
     return out
+
+
+def tags(section: str, metrics: dict) -> dict:
+    """The logger's names of a metrics dict: ``<section>/<key>`` lower-cased (the module's own dicts keep their
+    keys, which tables and sweeps read).
+
+    Example:
+        >>> tags("theory", {"stage/T1": 3.0, "features/coverage": 1.0})
+        {'theory/stage/t1': 3.0, 'theory/features/coverage': 1.0}
+    """
+    return {f"{section}/{key.lower()}": value for key, value in metrics.items()}
