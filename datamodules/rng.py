@@ -142,7 +142,7 @@ def bernoulli(seed, stream: int, index: torch.Tensor, shape, p: float) -> torch.
 
 def _below(bits: torch.Tensor, p: float) -> torch.Tensor:
     """``_unit(bits, float64) < p`` as one integer comparison (see :func:`bernoulli`); overwrites ``bits``."""
-    top = math.ceil(p * (1 << 24))
+    top = math.ceil(p * (1 << 24)) if math.isfinite(p) else (1 << 24 if p > 0 else 0)  # NaN: as u < NaN, never
     if top <= 0 or top >= 1 << 24:  # no word, or every word, is below
         return torch.full(bits.shape, top > 0, dtype=torch.bool, device=bits.device)
     return bits.bitwise_xor_(-(1 << 31)) < (top << 8) - (1 << 31)

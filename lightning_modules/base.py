@@ -63,8 +63,8 @@ class FeatureLearningModule(L.LightningModule):
     then hands ``training_step`` the batch's indices only and draws no samples."""
     seeds_vmap: bool = False
     """Whether several seeds in one run (:mod:`featlearn.lightning_modules.seeds`) compute this method's loss in
-    one ``torch.func.vmap`` call of :meth:`seed_loss` (then ``training_step`` is ``record_step(seed_loss(batch),
-    batch)``); otherwise each seed runs its own ``training_step`` in turn."""
+    one ``torch.func.vmap`` call of :meth:`seed_loss` (then ``training_step`` computes what
+    ``record_step(seed_loss(batch), batch)`` does); otherwise each seed runs its own ``training_step`` in turn."""
     finishes_seeds: bool = False
     """Whether :meth:`finish_seeds` does the weight-only part of :meth:`finish_step` for every seed of a stack at
     once (a projection with a leading seed axis); ``finish_step`` then leaves it out when in a stack."""

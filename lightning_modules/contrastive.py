@@ -44,8 +44,8 @@ from featlearn.kernels.soft_threshold import soft_threshold_layer
 from featlearn.lightning_modules.base import FeatureLearningModule
 from featlearn.lightning_modules.contrastive_regularization import ContrastiveRegularization, start_from_checkpoint
 from featlearn.metrics.probes import SplitBuffer, all_gather_cat
-from featlearn.theory.contrastive import (EVAL_KEYS, advance_stages, downstream_metrics, feature_metrics, feature_scalars,
-                                          grown_bias, tags)
+from featlearn.theory.contrastive import (EVAL_KEYS, advance_stages, downstream_metrics, feature_histograms,
+                                          feature_metrics, feature_scalars, grown_bias, tags)
 from featlearn.validation import NonNegativeFloat, PositiveFloat, PositiveInt, check_args, check_memory, int_at_least
 
 __all__ = ["ContrastiveModule"]
@@ -201,7 +201,8 @@ class ContrastiveModule(FeatureLearningModule):
     @property
     def seeds_vmap(self) -> bool:
         """Several seeds in one run step through one ``vmap`` of :meth:`seed_loss` on one process (several gather
-        the negatives, which vmap cannot) unless the Triton kernels are asked for (they have no vmap rule)."""
+        the negatives, which vmap cannot) unless the Triton kernels are asked for (they have no vmap rule); there
+        the products follow torch's own float32 precision, not ``input_precision``."""
         return self.hparams.backend != "triton" and not (self._trainer is not None and self.trainer.world_size > 1)
 
     def seed_loss(self, batch: dict) -> torch.Tensor:
@@ -215,6 +216,10 @@ class ContrastiveModule(FeatureLearningModule):
 
     def record_step(self, loss: torch.Tensor, batch: dict) -> torch.Tensor:
         """A stacked seed's :meth:`training_step` after its vmapped loss (statistics: a forward without gradient)."""
+        xa, xq = batch["x_a"], batch["x_q"]
+        if "neg_pool_size" in batch or self.same_views != (xq is xa or xq.data_ptr() == xa.data_ptr()):
+            raise RuntimeError("ContrastiveModule.seed_loss: a batch of another datamodule (x_q is x_a: "
+                               f"{not self.same_views}) or pooled on several processes")
         self._prev_norm = self.w.detach().norm(dim=1)
         if self._trainer is not None and self.theory_due():
             with torch.no_grad():
@@ -279,14 +284,9 @@ class ContrastiveModule(FeatureLearningModule):
     def _log_histograms(self) -> None:
         """TensorBoard histograms of rho_i, |alpha_ij| / ||w_i|| and |N_i|."""
         writer = self.summary_writer()
-        if writer is None:
-            return
-        fm = feature_metrics(self.w.detach(), self.bias.detach(), self.M, self.tau)
-        for tag, values in (("weights/sparse_frac", fm["sparse_frac"]),
-                            ("weights/alpha_abs", fm["alpha"].abs() / fm["norm"].unsqueeze(1)),
-                            ("features/N_i_size_hist", fm["N_size"].float())):
-            if torch.isfinite(values).all():  # a diverging run's NaNs have no histogram (its guard stops it)
-                writer.add_histogram(tag, values.cpu(), self.global_step)
+        for tag, values in ({} if writer is None else feature_histograms(self.w.detach(), self.bias.detach(), self.M,
+                                                                          self.tau)).items():
+            writer.add_histogram(tag, values.cpu(), self.global_step)
 
     def theory_metrics(self) -> dict[str, float]:
         """The weight and feature quantities, the stages reached and the bias, moved to the host at once."""

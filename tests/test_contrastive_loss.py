@@ -162,3 +162,24 @@ def test_module_config_errors():
                       ({"weight_decay": -1e-3}, "model.weight_decay"), ({"loss_chunk_size": 0}, "model.loss_chunk_size")]:
         with pytest.raises(ConfigError, match=field):
             ContrastiveModule(**kw)
+
+
+def test_seed_stack_path_refuses_what_its_vmapped_loss_cannot_read():
+    """The vmapped loss reads ``x_q is x_a`` from the datamodule the module was built with and cannot gather
+    negatives: several processes turn it off, and a batch of another datamodule (views that are not the built
+    one's) or one pooled after a gather is refused at the step, not trained on."""
+    from types import SimpleNamespace
+
+    same = SparseCodingDataModule(d=8, d1=16, batch_size=4, num_negatives=4, augment="none")
+    masked = SparseCodingDataModule(d=8, d1=16, batch_size=4, num_negatives=4)
+    model = ContrastiveModule(width=4, backend="torch").attach(same)
+    assert model.seeds_vmap
+    model._trainer = SimpleNamespace(world_size=2)
+    assert not model.seeds_vmap
+    model._trainer = None
+    batch = same.batch(torch.arange(4), "train")
+    model.record_step(model.seed_loss(batch), batch)  # its own datamodule's batch
+    for bad in (masked.batch(torch.arange(4), "train"), {**batch, "neg_pool_size": 4}):
+        with pytest.raises(RuntimeError, match="another datamodule|several processes"):
+            model.record_step(model.seed_loss(bad), bad)
+    assert not ContrastiveModule(width=4, backend="triton").attach(masked).seeds_vmap

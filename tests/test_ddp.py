@@ -5,7 +5,8 @@ shows that the split matters, so a DDP step that saw only its own half would fai
 
 Each case is three CLI runs of a few seconds (~15 s a case on 2 cores); the default suite keeps one
 config per method and mode (full batch, minibatch, population gradient; the classifier that fine-tunes
-and trains SL), the rest is ``-m slow``. Contrastive learning matches only because its shared negative pool is built from
+and trains SL; contrastive learning online only, its full-batch pool checked in process), the rest is
+``-m slow``. Contrastive learning matches only because its shared negative pool is built from
 the global batch (``SparseCodingDataModule.negatives_per_anchor``, ``ContrastiveModule._global_pool``);
 the in-process test below checks that pool without launching anything.
 """

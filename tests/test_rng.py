@@ -50,7 +50,7 @@ def test_bernoulli_randint_permutation():
 
 
 @pytest.mark.parametrize("p", [0.5, 0.3, 1 / 3, 0.1, 1e-7, 1 - 1e-7, 5 / (1 << 24), 5.5 / (1 << 24), 0.0, 1.0, 1.5,
-                               -0.2, 0.999999])
+                               -0.2, 0.999999, math.inf, -math.inf, math.nan])
 def test_bernoulli_is_the_uniform_below_p(p):
     """The integer comparison is the float64 one it replaced, ``uniform < p``, word for word, at thresholds on
     and between the 2^-24 grid, at the ends and past them; with a seed tensor too."""
@@ -60,7 +60,7 @@ def test_bernoulli_is_the_uniform_below_p(p):
         assert got.dtype == torch.bool and torch.equal(got, rng.uniform(seed, 3, index, (3,), torch.float64) < p)
     # every word at the comparison's edge: the top 24 bits k near ceil(p 2^24), and the lowest and highest
     # word of each (the low 8 bits must not matter), plus random words
-    edge = math.ceil(min(max(p, 0.0), 1.0) * (1 << 24))
+    edge = math.ceil(min(max(p, 0.0), 1.0) * (1 << 24)) if math.isfinite(p) else 0
     k = torch.arange(edge - 3, edge + 4).clamp(0, (1 << 24) - 1)
     unsigned = torch.cat([k << 8, (k << 8) + 255, torch.randint(0, 1 << 32, (5000,))])
     words = (unsigned - ((unsigned >> 31) << 32)).to(torch.int32)

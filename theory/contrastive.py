@@ -23,8 +23,8 @@ import torch
 from featlearn.metrics.features import mean_cosine
 from featlearn.metrics.probes import logistic_probe, ridge_probe
 
-__all__ = ["grown_bias", "active_threshold", "feature_metrics", "feature_scalars", "downstream_metrics", "EVAL_KEYS",
-           "tags"]
+__all__ = ["grown_bias", "active_threshold", "feature_metrics", "feature_scalars", "feature_histograms",
+           "downstream_metrics", "EVAL_KEYS", "tags"]
 
 EVAL_KEYS = ("x", "xi", "y_reg", "y_cls")
 """What :func:`downstream_metrics` needs of an evaluation split."""
@@ -141,6 +141,16 @@ def downstream_metrics(encode, train: dict, test: dict, ridge: float, max_sample
                 "act/fire_rate_raw": (fte != 0).float().mean()}
     out.update(zip(geometry, torch.stack(list(geometry.values())).tolist()))
     return out
+
+
+def feature_histograms(w: torch.Tensor, bias: torch.Tensor, M: torch.Tensor, tau: float) -> dict[str, torch.Tensor]:
+    """The logged histograms' values by tag: rho_i, ``|alpha_ij| / ||w_i||`` and ``|N_i|``; a tag whose values are
+    not all finite is left out (a diverging run's NaNs have no histogram; its guard stops it)."""
+    fm = feature_metrics(w, bias, M, tau)
+    values = {"weights/sparse_frac": fm["sparse_frac"],
+              "weights/alpha_abs": fm["alpha"].abs() / fm["norm"].unsqueeze(1),
+              "features/N_i_size_hist": fm["N_size"].float()}
+    return {tag: v for tag, v in values.items() if torch.isfinite(v).all()}
 
 
 def tags(section: str, metrics: dict) -> dict:
