@@ -26,18 +26,28 @@ def _collect(fitted):
     return {**final_metrics(fitted), **loops, "checkpoint": fitted.checkpoint}
 
 
+def _flat(result: dict, prefix: str = "") -> dict:
+    """A result's numbers by dotted key (pytest.approx takes no nested dicts)."""
+    out = {}
+    for key, value in result.items():
+        out.update(_flat(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value})
+    return out
+
+
 def test_each_seed_of_a_stacked_fit_is_its_own_fit(tmp_path, monkeypatch, one_thread):
     out = tmp_path / "study"
     with Study(_args(out, [3, 5]), "demo", fits=4) as study:
         together = study.fit_seeds(Run(CONFIG, "both", SETTINGS), [3, 5], _collect)
         alone = {s: study.fit(Run(CONFIG, f"alone{s}", SETTINGS, seed=s), _collect) for s in (3, 5)}
         assert study.progress.fits.n == 4
-    for s in (3, 5):  # contrastive runs each member's own step: bit for bit
+    for s in (3, 5):  # a stack vmaps contrastive learning's loss: equal to float rounding at this size
         got, want = dict(together[s]), dict(alone[s])
         path = got.pop("checkpoint")
         assert path == str(out / "both" / f"seed_{s}" / "last.ckpt") and torch.load(path, weights_only=False)["seed"] == s
         want.pop("checkpoint")
-        assert got == want and got["steps"] == 3 and got["test"] and got["val"]  # each seed's own loops' logs
+        # the probes' solves amplify the weights' rounding (2e-5 after 3 steps); the tables round to 4 digits
+        assert _flat(got) == pytest.approx(_flat(want), rel=1e-4, abs=2e-4)
+        assert got["steps"] == 3 and got["test"] and got["val"]  # each seed's own loops' logs
         assert not [k for k in got["test"] if k.startswith("val/")]  # no validation value leaks into the test's
     assert together[3] != together[5]
     runs = json.loads((out / "study.json").read_text())["runs"]
