@@ -144,6 +144,7 @@ def test_a_run_is_its_lightning_fit_command(short, tmp_path):
         assert final[key] == run[key], key
 
 
+@pytest.mark.slow  # an experiment's smoke run and resume (~16 s); the Study's resume is tested in tests/test_study.py
 def test_presets_and_delta_points_build_the_documented_data(tmp_path):
     argv = ("--preset", "p256_pos_small", "--delta", "0.4", "--steps-mae", "2", "--steps-cl", "2", "--every", "1")
     rows = _run(tmp_path / "smoke", *argv)
