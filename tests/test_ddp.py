@@ -1,9 +1,10 @@
 """Every method trained through the CLI's ``ddp`` path on two CPU processes (gloo) ends with the weights
 of one process on the same global batch: ``devices=2, batch_size=B`` against ``devices=1, batch_size=2B``
 (or both full batch), compared from their ``last.ckpt``. A third run, one process with batch ``B``,
-shows that the split matters, so a DDP step that saw only its own half would fail the comparison.
+shows that the split matters, so a DDP step that saw only its own half would fail the comparison (a property
+of the case's config: under ``-m slow``).
 
-Each case is three CLI runs of a few seconds (~15 s a case on 2 cores); the default suite keeps one
+Each case is two CLI runs of a few seconds (~10 s a case on 2 cores); the default suite keeps one
 config per method and mode (full batch, minibatch, population gradient; the classifier that fine-tunes
 and trains SL; contrastive learning online only, its full-batch pool checked in process), the rest is
 ``-m slow``. Contrastive learning matches only because its shared negative pool is built from
