@@ -270,14 +270,13 @@ def soft_threshold_layer(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | 
         bias = torch.zeros(w.shape[0], device=w.device, dtype=w.dtype)
     if bias.shape != (w.shape[0],):
         refuse_shape("soft_threshold_layer", "bias", bias, f"must be a 1-D tensor [{w.shape[0]}]")
-    if vmappable:
-        if backend == "triton":
-            raise ConfigError("backend", "auto or torch with vmappable=True (the Triton kernels have no vmap rule)",
-                              backend)
-        return symmetric_relu(x @ w.t(), bias)
-    which = resolve_backend(backend, x, w, bias)
-    if which == "torch" and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or bias.requires_grad)):
-        return symmetric_relu(x @ w.t(), bias)  # the fallback's forward without the code only a backward reads
+    if vmappable and backend == "triton":
+        raise ConfigError("backend", "auto or torch with vmappable=True (the Triton kernels have no vmap rule)",
+                          backend)
+    which = "torch" if vmappable else resolve_backend(backend, x, w, bias)
+    if which == "torch" and (vmappable or not (torch.is_grad_enabled()
+                                               and (x.requires_grad or w.requires_grad or bias.requires_grad))):
+        return symmetric_relu(x @ w.t(), bias)  # autograd's backward, or no backward: no slope code to keep
     if which == "triton":
         x, w, bias = contiguous(x, w, bias)
     return SoftThresholdFunction.apply(x, w, bias, which, precision)

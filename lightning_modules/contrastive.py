@@ -22,7 +22,7 @@ scored on the other after each validation epoch; ``trainer.test`` fits them on t
 them on the test split, and :meth:`ContrastiveModule.summary` reports that.
 
 Example:
-    >>> from featlearn.datamodules.sparse_coding import SparseCodingDataModule
+    >>> from featlearn.datamodules.sparse_coding import SparseCodingDataModule, views_alike
     >>> dm = SparseCodingDataModule(d=16, d1=64, batch_size=32, num_negatives=32)
     >>> model = ContrastiveModule().attach(dm)
     >>> loss = model.training_step(dm.batch(torch.arange(32), "train"), 0)
@@ -36,7 +36,7 @@ from typing import Literal
 
 import torch
 
-from featlearn.datamodules.sparse_coding import SparseCodingDataModule
+from featlearn.datamodules.sparse_coding import SparseCodingDataModule, views_alike
 from featlearn.errors import ConfigError
 from featlearn.kernels.backend import Backend, Precision
 from featlearn.kernels.infonce import infonce_stopgrad
@@ -174,7 +174,7 @@ class ContrastiveModule(FeatureLearningModule):
         xa, xq, xn = batch["x_a"], batch["x_q"], batch["x_neg"]
         ha = self(xa)
         with torch.no_grad():
-            hq = ha.detach() if xq is xa or xq.data_ptr() == xa.data_ptr() else self(xq)
+            hq = ha.detach() if views_alike(batch) else self(xq)
             hn = self(xn)
             if "neg_pool_size" in batch:
                 hn = self._global_pool(hn, batch["index"], int(batch["neg_pool_size"]))
@@ -216,8 +216,7 @@ class ContrastiveModule(FeatureLearningModule):
 
     def record_step(self, loss: torch.Tensor, batch: dict) -> torch.Tensor:
         """A stacked seed's :meth:`training_step` after its vmapped loss (statistics: a forward without gradient)."""
-        xa, xq = batch["x_a"], batch["x_q"]
-        if "neg_pool_size" in batch or self.same_views != (xq is xa or xq.data_ptr() == xa.data_ptr()):
+        if "neg_pool_size" in batch or self.same_views != views_alike(batch):
             raise RuntimeError("ContrastiveModule.seed_loss: a batch of another datamodule (x_q is x_a: "
                                f"{not self.same_views}) or pooled on several processes")
         self._prev_norm = self.w.detach().norm(dim=1)
@@ -284,9 +283,9 @@ class ContrastiveModule(FeatureLearningModule):
     def _log_histograms(self) -> None:
         """TensorBoard histograms of rho_i, |alpha_ij| / ||w_i|| and |N_i|."""
         writer = self.summary_writer()
-        for tag, values in ({} if writer is None else feature_histograms(self.w.detach(), self.bias.detach(), self.M,
-                                                                          self.tau)).items():
-            writer.add_histogram(tag, values.cpu(), self.global_step)
+        if writer is not None:
+            for tag, values in feature_histograms(self.w.detach(), self.bias.detach(), self.M, self.tau).items():
+                writer.add_histogram(tag, values.cpu(), self.global_step)
 
     def theory_metrics(self) -> dict[str, float]:
         """The weight and feature quantities, the stages reached and the bias, moved to the host at once."""
