@@ -36,6 +36,7 @@ from torch.profiler import record_function
 
 from featlearn.datamodules.base import SyntheticDataModule
 from featlearn.errors import ConfigError
+from featlearn.lightning_modules.hook_name import HookNameFastPath
 from featlearn.metrics.figures import HeatmapFrames, log_results, plt, tensorboard_writer
 
 _LOG_SIGNATURE = inspect.signature(L.LightningModule.log)
@@ -45,7 +46,7 @@ _LOG_SIGNATURE = inspect.signature(L.LightningModule.log)
 _GROUP_STATE_KEYS = ("params", "initial_lr")
 
 
-class FeatureLearningModule(L.LightningModule):
+class FeatureLearningModule(HookNameFastPath, L.LightningModule):
     datamodule_class: type = SyntheticDataModule
     """The DataModule this method learns from (the CLI refuses a config with another one)."""
     heatmap_axes: tuple[str, str] = ("neuron", "feature")

@@ -44,7 +44,7 @@ import lightning as L
 import torch
 
 from featlearn.errors import ConfigError
-from featlearn.lightning_modules.base import FeatureLearningModule
+from featlearn.lightning_modules.base import FeatureLearningModule, HookNameFastPath
 from featlearn.lightning_modules.seed_guard import SeedGuard
 from featlearn.lightning_modules.seed_logs import SeedLogs
 from featlearn.lightning_modules.seed_schedules import prepare_seeds
@@ -57,7 +57,7 @@ UNFORWARDED_HOOKS = ("on_train_batch_start", "on_train_batch_end", "on_train_epo
                      "on_test_epoch_start", "lr_scheduler_step")
 
 
-class SeedStack(L.LightningModule):
+class SeedStack(HookNameFastPath, L.LightningModule):
     """S members (built, one per seed, of one method) trained as one module; see the module docstring."""
 
     judges_seeds = True

@@ -42,7 +42,8 @@ MODULES = ["featlearn.kernels.registry", "featlearn.datamodules.modular_addition
            "featlearn.papers", "featlearn.bench.harness", "featlearn.bench.data", "featlearn.quiet",
            "featlearn.experiments.study", "featlearn.experiments.points", "featlearn.experiments.settings", "featlearn.experiments.sweep_file",
            "featlearn.experiments.vit_report", "featlearn.theory.universality_downstream",
-           "featlearn.lightning_modules.seeds", "featlearn.datamodules.seeds", "featlearn.datamodules.rng"]
+           "featlearn.lightning_modules.seeds", "featlearn.datamodules.seeds", "featlearn.datamodules.rng",
+           "featlearn.lightning_modules.hook_name"]
 
 
 @pytest.mark.parametrize("name", MODULES)
