@@ -22,7 +22,7 @@ scored on the other after each validation epoch; ``trainer.test`` fits them on t
 them on the test split, and :meth:`ContrastiveModule.summary` reports that.
 
 Example:
-    >>> from featlearn.datamodules.sparse_coding import SparseCodingDataModule, views_alike
+    >>> from featlearn.datamodules.sparse_coding import SparseCodingDataModule
     >>> dm = SparseCodingDataModule(d=16, d1=64, batch_size=32, num_negatives=32)
     >>> model = ContrastiveModule().attach(dm)
     >>> loss = model.training_step(dm.batch(torch.arange(32), "train"), 0)
