@@ -6,6 +6,7 @@ from collections import deque
 import lightning as L
 import torch
 
+from featlearn.callbacks.logged_values import callback_metrics, read_floats
 from featlearn.errors import ConfigError, DivergenceError
 
 QUANTITIES = ("loss", "weight_norm")
@@ -94,13 +95,11 @@ class DivergenceGuard(L.Callback):
                 self._stop(trainer.global_step, trainer.current_epoch, f"train loss is {float(loss.flatten()[0])}",
                            "The step was not applied. " + _checkpoint_note(trainer, pl_module))
             return
-        loss = loss.detach()
-        first, finite = loss.flatten()[0].to(torch.float64), torch.isfinite(loss).all()
+        loss = loss.detach()  # kept, read with the step's other checks; a loss of several values as two scalars
+        check = (loss, None) if loss.dim() == 0 else (loss.flatten()[0], torch.isfinite(loss).all())
         if self._loss is None:
-            self._loss, self._loss_step = (first, finite), trainer.global_step
-        else:  # several backward passes in one step: keep the first non-finite one
-            kept, ok = self._loss
-            self._loss = (torch.where(ok, first, kept), ok & finite)
+            self._loss, self._loss_step = [], trainer.global_step
+        self._loss.append(check)  # several backward passes in one step: the first non-finite one counts
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if _judges_seeds(pl_module):
@@ -139,31 +138,41 @@ class DivergenceGuard(L.Callback):
 
     # --- the checks ---------------------------------------------------------------------------------
     def _push(self, trainer, pl_module, outputs) -> None:
-        """Keep this step's checks on the device, without a host sync."""
-        metrics = {n: v for n, v in _callback_metrics(trainer).items() if torch.is_tensor(v) and v.numel() == 1}
+        """Keep this step's checks on the device, without a host sync: references to its losses and logged values
+        (new tensors each step, never written again), and its parameter norms (the parameters change in place).
+        The float64 rows are built when they are read (:meth:`_rows`): converting each of a method's dozens of
+        logged scalars here, one op each, cost more than its whole step."""
+        metrics = {n: v for n, v in callback_metrics(trainer).items() if torch.is_tensor(v) and v.numel() == 1}
         params = [(n, p) for n, p in pl_module.named_parameters() if p.requires_grad]
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        loss = loss.detach().reshape(()) if torch.is_tensor(loss) and loss.numel() == 1 else None
         norms = [torch.linalg.vector_norm(p.detach(), dtype=torch.float64) for _, p in params]
-        norms = torch.stack(norms) if norms else torch.zeros(0, dtype=torch.float64, device=pl_module.device)
-        device = norms.device
-        zero = torch.zeros((), dtype=torch.float64, device=device)
-        first, finite = self._loss if self._loss is not None else (zero, torch.ones((), dtype=torch.bool,
-                                                                                          device=device))
-        head = torch.stack([
-            first.to(device),
-            finite.to(device=device, dtype=torch.float64),
-            loss.detach().abs().reshape(()).to(device=device, dtype=torch.float64) if torch.is_tensor(loss) else zero,
-            torch.linalg.vector_norm(norms) if len(params) else zero,   # = _weight_norm(pl_module)
-        ])
-        parts = [head, norms]
-        if metrics:
-            parts.append(torch.stack([v.detach().reshape(()).to(device=device, dtype=torch.float64)
-                                      for v in metrics.values()]))
+        values = [v if v.dim() == 0 else v.reshape(()) for v in metrics.values()]
         step = trainer.global_step
         loss_step = self._loss_step if self._loss is not None else step
         meta = (step, trainer.current_epoch, loss_step, tuple(n for n, _ in params), tuple(metrics))
-        self._pending.append((meta, torch.cat(parts)))
+        self._pending.append((meta, (self._loss or [], loss, norms, values)))
         self._loss = self._loss_step = None
+
+    @staticmethod
+    def _rows(pending: list) -> list[list[float]]:
+        """Each kept step's row ``[first loss value, loss finite, |loss|, weight norm, parameter norms.., metrics..]``
+        as Python floats, all steps read in one transfer (:func:`read_floats`)."""
+        kept = [t for _, (checks, loss, norms, values) in pending
+                for t in [*(x for pair in checks for x in pair if x is not None), *([loss] if loss is not None else []),
+                          *norms, *values]]
+        read, rows = iter(read_floats(kept)), []
+        for _, (checks, loss, norms, values) in pending:
+            first, finite = 0.0, True
+            for _, whole in checks:  # the latest loss while all were finite, else the first non-finite one
+                value = next(read)
+                ok = math.isfinite(value) if whole is None else next(read) == 1.0
+                if finite:
+                    first, finite = value, ok
+            abs_loss = abs(next(read)) if loss is not None else 0.0
+            norms = [next(read) for _ in norms]
+            rows.append([first, float(finite), abs_loss, math.hypot(*norms), *norms, *(next(read) for _ in values)])
+        return rows
 
     def check_now(self, trainer, pl_module) -> None:
         """Read the kept steps (one transfer; one reduction across processes) and judge them in order;
@@ -179,18 +188,16 @@ class DivergenceGuard(L.Callback):
     def _judge(self, trainer, pl_module, pending: list, reduce: bool) -> str | None:
         """The stop message of the first diverged step of ``pending``, else None (the history and the
         suspect flag then include every step)."""
-        rows = torch.cat([values for _, values in pending]).tolist()  # the one host read
+        rows = self._rows(pending)
         factors = self.factors(pl_module)
         scale = getattr(pl_module, "weight_norm_scale", None)
         before, judged = list(self.history), []
-        verdicts, flags, start, stopped = [], [], 0, False
-        for meta, values in pending:
+        verdicts, flags, stopped = [], [], False
+        for (meta, _), row in zip(pending, rows):
             if stopped:  # the steps after a divergence do not matter
                 verdicts.append((None, meta[0], False))
                 flags.append([1.0, 0.0])
                 continue
-            row = rows[start:start + values.numel()]
-            start += values.numel()
             reason, at, suspect, current = self._judge_step(meta, row, factors, scale)
             verdicts.append((reason, at, suspect))
             flags.append([float(reason is not None), float(suspect)])
@@ -282,27 +289,6 @@ def check_guards(trainer) -> None:
 def _judges_seeds(pl_module) -> bool:
     """A :class:`~featlearn.lightning_modules.seeds.SeedStack` judges each of its seeds alone."""
     return getattr(pl_module, "judges_seeds", False)
-
-
-def _callback_metrics(trainer) -> dict:
-    """``trainer.callback_metrics`` without reading that property, which turns every ``prog_bar`` metric
-    into a Python number (a host sync each): Lightning's stored metrics updated with this step's values,
-    the way the property builds them. The property itself where Lightning's internals differ."""
-    connector, results = getattr(trainer, "_logger_connector", None), getattr(trainer, "_results", None)
-    stored = getattr(connector, "_callback_metrics", None)
-    try:
-        if not isinstance(stored, dict) or getattr(connector, "_first_loop_iter", None) is None:
-            return trainer.callback_metrics
-        out = dict(stored)
-        if results is not None and results.training:
-            for _, metric in results.valid_items():
-                value = results._get_cache(metric, True)
-                if isinstance(value, torch.Tensor):
-                    name, forked = results._forked_name(metric, True)
-                    out[name] = out[forked] = value
-        return out
-    except (AttributeError, TypeError, ValueError):
-        return trainer.callback_metrics
 
 
 def _weight_norm(pl_module) -> torch.Tensor:

@@ -271,3 +271,29 @@ def test_interval_is_checked(tmp_path, capsys):
         main(["fit", "--config", "configs/mrp/teacher_student.yaml", "--divergence.check_every_n_steps", "0",
               "--trainer.default_root_dir", str(tmp_path)])
     assert "divergence.check_every_n_steps" in capsys.readouterr().err + str(stop.value.code)
+
+
+class _LogsNaNAt(NonContrastiveModule):
+    """Logs one extra metric each step, NaN at global step ``bad`` only (finite before and after)."""
+
+    def __init__(self, bad: int, **kwargs):
+        super().__init__(**kwargs)
+        self.bad = bad
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        value = torch.tensor(float("nan") if self.global_step + 1 == self.bad else 1.0)
+        self.log("probe", value, on_step=True, on_epoch=False)
+        return loss
+
+
+@pytest.mark.parametrize("every", [1, 7])
+def test_a_metric_that_was_nan_at_one_step_is_named_at_that_step(tmp_path, every, one_thread):
+    # the guard keeps references to each step's logged values and reads them every `every` steps: a value
+    # Lightning overwrote in place before the read would hide the NaN, or move it to a later step
+    L.seed_everything(0)
+    model = _LogsNaNAt(bad=4, width=2, gradient="population", backend="torch")
+    dm = TwoFeaturePatchDataModule(dim=12, num_patches=8, num_feature_patches=2, batch_size=2)
+    with pytest.raises(DivergenceError, match=r"global step 4 \(epoch 0\): metric 'probe' is nan"):
+        fit(model, dm, 20, [DivergenceGuard(check_every_n_steps=every)], tmp_path)
+    assert model.trainer.global_step == (4 if every == 1 else 7)

@@ -33,7 +33,7 @@ MODULES = ["featlearn.kernels.registry", "featlearn.datamodules.modular_addition
            "featlearn.kernels.masked_attention", "featlearn.datamodules.global_local_patches", "featlearn.theory.vit",
            "featlearn.lightning_modules.vit_mae", "featlearn.lightning_modules.vit_cl",
            "featlearn.lightning_modules.vit_common", "featlearn.callbacks.profiling",
-           "featlearn.kernels.smoothed_clamp", "featlearn.theory.two_layer", "featlearn.datamodules.structured_parity",
+           "featlearn.callbacks.logged_values", "featlearn.kernels.smoothed_clamp", "featlearn.theory.two_layer", "featlearn.datamodules.structured_parity",
            "featlearn.lightning_modules.two_layer", "featlearn.lightning_modules.two_layer_baselines",
            "featlearn.lightning_modules.two_layer_parts", "featlearn.datamodules.hidden_representation",
            "featlearn.theory.universality", "featlearn.lightning_modules.universality",
