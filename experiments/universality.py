@@ -34,7 +34,6 @@ are kept in ``<out>/study.json``, so the same command run again resumes.
 Usage:
     python -m featlearn.experiments.universality [--seed 0 1 2] [--T 2 4 8] [--gamma 1.0] [--threads 1]
 """
-from __future__ import annotations
 
 import argparse
 import functools
@@ -67,6 +66,8 @@ class MSweep:
     repeats: int          # labelled sets per m
 
 
+# No `from __future__ import annotations` in this module: Settings' nested fields must hold their classes, not names
+# that only this module resolves (run by name under cProfile, it is not sys.modules['__main__']).
 @dataclass
 class Settings:
     """``configs/universality/experiment.yaml``."""
