@@ -95,8 +95,10 @@ class DivergenceGuard(L.Callback):
                 self._stop(trainer.global_step, trainer.current_epoch, f"train loss is {float(loss.flatten()[0])}",
                            "The step was not applied. " + _checkpoint_note(trainer, pl_module))
             return
-        loss = loss.detach()  # kept, read with the step's other checks; a loss of several values as two scalars
-        check = (loss, None) if loss.dim() == 0 else (loss.flatten()[0], torch.isfinite(loss).all())
+        # kept until the next read: a copy (a compiled step's CUDA graph may reuse its output's memory at the
+        # next replay); a loss of several values as two scalars
+        loss = loss.detach()
+        check = (loss.clone(), None) if loss.dim() == 0 else (loss.flatten()[0].clone(), torch.isfinite(loss).all())
         if self._loss is None:
             self._loss, self._loss_step = [], trainer.global_step
         self._loss.append(check)  # several backward passes in one step: the first non-finite one counts
@@ -145,7 +147,7 @@ class DivergenceGuard(L.Callback):
         metrics = {n: v for n, v in callback_metrics(trainer).items() if torch.is_tensor(v) and v.numel() == 1}
         params = [(n, p) for n, p in pl_module.named_parameters() if p.requires_grad]
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
-        loss = loss.detach().reshape(()) if torch.is_tensor(loss) and loss.numel() == 1 else None
+        loss = loss.detach().reshape(()).clone() if torch.is_tensor(loss) and loss.numel() == 1 else None
         norms = [torch.linalg.vector_norm(p.detach(), dtype=torch.float64) for _, p in params]
         values = [v if v.dim() == 0 else v.reshape(()) for v in metrics.values()]
         step = trainer.global_step

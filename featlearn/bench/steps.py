@@ -3,8 +3,8 @@ optimizer step and the method's step-finishing work) through featlearn, against 
 from the method's definition and ``torch.compile`` of that loop.
 
 * ``featlearn``: the real LightningModule inside a real ``Trainer.fit`` (no logger, progress bar or
-  checkpoints; the ``DivergenceGuard`` every CLI run has; the config's ``log_every_n_steps``, so theory
-  metrics run on the steps they run on in the main job). A step is timed from the Trainer's
+  checkpoints; the ``DivergenceGuard`` and the no-op profiler every CLI run has; the config's
+  ``log_every_n_steps``, so theory metrics run on the steps they run on in the main job). A step is timed from the Trainer's
   ``on_train_batch_start`` to its ``on_train_batch_end``: ``training_step``, Lightning's closure,
   ``backward``, the optimizer step, ``finish_step`` and Lightning's per-step logging. The batch is made
   before that (sample generation, as the plain loops get their batch made too). A Trainer, rather than a
@@ -58,6 +58,7 @@ from featlearn.bench.harness import COMPILED, EAGER, Case, Meter, Result, Varian
 from featlearn.bench import step_methods, user_fit
 from featlearn.bench.step_methods import METHODS, Method, method
 from featlearn.callbacks import DivergenceGuard
+from featlearn.cli import NoOpProfiler
 from featlearn.datamodules.multiview import MultiViewDataModule
 from featlearn.datamodules.seeds import SeedStackDataModule
 from featlearn.datamodules.sparse_coding import SparseCodingDataModule
@@ -271,7 +272,7 @@ def _repays(first_step_s: float, eager: Result, compiled: Result) -> str:
 
 
 def _fit(model, dm, clock: _Clock, spec: Method, device: torch.device, steps: int) -> None:
-    """A quiet ``Trainer.fit`` of ``steps`` steps with the CLI's ``DivergenceGuard`` and ``clock``."""
+    """A quiet ``Trainer.fit`` of ``steps`` steps with the CLI's ``DivergenceGuard`` and profiler, and ``clock``."""
     chatter = logging.getLogger("lightning.pytorch")
     level = chatter.level
     chatter.setLevel(logging.WARNING)  # the Trainer's banner (accelerators, tips) between the progress lines
@@ -281,7 +282,8 @@ def _fit(model, dm, clock: _Clock, spec: Method, device: torch.device, steps: in
                             default_root_dir=scratch.name,
                             max_steps=steps, max_epochs=-1, logger=False, enable_checkpointing=False,
                             enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                            limit_val_batches=0, log_every_n_steps=spec.log_every, callbacks=[DivergenceGuard(), clock])
+                            limit_val_batches=0, log_every_n_steps=spec.log_every, profiler=NoOpProfiler(),
+                            callbacks=[DivergenceGuard(), clock])
         with warnings.catch_warnings():  # Lightning's advice on dataloader workers and the like
             warnings.simplefilter("ignore")
             trainer.fit(model, datamodule=dm)
