@@ -4,9 +4,9 @@ from the method's definition and ``torch.compile`` of that loop.
 
 * ``featlearn``: the real LightningModule inside a real ``Trainer.fit`` (no logger, progress bar or
   checkpoints; the ``DivergenceGuard`` and the no-op profiler every CLI run has; the config's
-  ``log_every_n_steps``, so theory metrics run on the steps they run on in the main job). A step is timed from the Trainer's
-  ``on_train_batch_start`` to its ``on_train_batch_end``: ``training_step``, Lightning's closure,
-  ``backward``, the optimizer step, ``finish_step`` and Lightning's per-step logging. The batch is made
+  ``log_every_n_steps``, so theory metrics run on the steps they run on in the main job). A step is timed
+  from the Trainer's ``on_train_batch_start`` to its ``on_train_batch_end``: ``training_step``, Lightning's
+  closure, ``backward``, the optimizer step, ``finish_step`` and Lightning's per-step logging. The batch is made
   before that (sample generation, as the plain loops get their batch made too). A Trainer, rather than a
   hand-written loop calling ``training_step``, because that is what a run costs: the Trainer's per-step
   work is part of a featlearn step, and without a Trainer the modules compute their theory metrics on
