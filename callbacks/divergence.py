@@ -31,9 +31,10 @@ class DivergenceGuard(L.Callback):
 
         lightning fit --config CONFIG --ckpt_path .../last.ckpt --model.init_args.lr SMALLER
 
-    **When it looks.** Each step's checks are reduced on the device to a few numbers (loss, weight norm,
-    per-parameter norms, logged metrics) and kept there: a step makes no host sync, so the GPU queue never
-    drains for the guard. Every ``check_every_n_steps`` steps (``None``: the trainer's
+    **When it looks.** Each step's checks stay on the device: its loss, its logged scalars and its parameter
+    norms, kept as they are and converted to float64 only when read (a step costs the norms and a few list
+    appends, whatever the number of metrics). A step makes no host sync, so the GPU queue never drains for
+    the guard. Every ``check_every_n_steps`` steps (``None``: the trainer's
     ``log_every_n_steps``, when Lightning reads the metrics anyway), before any checkpoint save, while a
     save is postponed, and at the end of training, the kept steps are read in one transfer (and, on
     several devices, their verdicts reduced once) and judged in order, each against the steps before it,
