@@ -20,7 +20,6 @@ Usage::
 
     python -m featlearn.experiments.erm_nu --seed 0 1 2
 """
-from __future__ import annotations
 
 import os
 import time
@@ -37,6 +36,7 @@ from featlearn.theory.erm_nu import (accuracy_normal, l2_ood_bound, l2_optimum, 
                                      prop63_conditions, prop63_lambda_threshold)
 
 
+# no postponed annotations in this module: see featlearn.experiments.settings.load_settings
 @dataclass
 class Toy:
     steps: int

@@ -27,7 +27,6 @@ a neuron wins the feature with the larger alpha_l^6 |B_jl(0)|^4: :func:`race_rul
 Writes ``noncontrastive.md`` / ``.json``, ``noncontrastive_E21_d<d>.png`` (E21 of the head runs by outcome) and
 ``noncontrastive_outcomes.png`` (DIV / COL / PAR with and without head).
 """
-from __future__ import annotations
 
 import argparse
 import functools
@@ -50,6 +49,7 @@ from featlearn.theory.noncontrastive import (PhaseTracker, feature_outcome, repr
                                              simulate_population, substitution_ratio)
 
 
+# no postponed annotations in this module: see featlearn.experiments.settings.load_settings
 @dataclass
 class Preset:
     """A named size (``--preset``)."""

@@ -3,7 +3,11 @@ so an unknown field, a missing one or a value of the wrong type is refused namin
 error naming its line). Used through :func:`featlearn.experiments.study.load_settings`."""
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import re
+import sys
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +17,12 @@ from featlearn.errors import ConfigError
 def load_settings(path: Path | str, cls: type, data: dict | None = None):
     """``path`` (YAML; or ``data`` already read from it) as a ``cls`` dataclass, through jsonargparse: an
     unknown field, a missing one or a value of the wrong type is a :class:`ConfigError` naming the field.
+
+    A module that defines a ``cls`` with dataclass fields must not postpone its annotations (``from __future__
+    import annotations``): jsonargparse would resolve a type named as text in ``sys.modules[cls.__module__]``,
+    and a module run by name under another ``__main__`` (``python -m cProfile -m featlearn.experiments.X``) is
+    not there, so its nested settings would come back as plain dicts. With real annotations, the nested classes
+    are found through :func:`_importable`.
 
     Example:
         >>> from dataclasses import dataclass, field
@@ -41,13 +51,45 @@ def load_settings(path: Path | str, cls: type, data: dict | None = None):
             raise ConfigError(str(path), "valid YAML", f"{where}{getattr(error, 'problem', None) or error}") from None
     if not isinstance(data, dict):
         raise ConfigError(str(path), f"a mapping of the fields of {cls.__name__}", data)
-    parser = ArgumentParser(exit_on_error=False)
-    parser.add_class_arguments(cls, "settings")
+    with _importable(cls):
+        parser = ArgumentParser(exit_on_error=False)
+        parser.add_class_arguments(cls, "settings")
+        try:
+            parsed = parser.parse_object({"settings": data})
+        except ArgumentError as error:
+            raise ConfigError(*_field_error(path, str(error))) from None
+        return parser.instantiate(parsed).settings
+
+
+@contextlib.contextmanager
+def _importable(cls: type):
+    """jsonargparse finds a dataclass held in a list or a dict by its import path, ``module.Name``. A module run by
+    name under another ``__main__`` (``python -m cProfile -m ...``: runpy runs its code in a fresh namespace)
+    defines its classes under ``__main__`` without being ``sys.modules["__main__"]``: lend them to that module
+    while parsing, under names it does not use."""
+    lent = []
+    for nested in _dataclasses_in(cls):
+        module = sys.modules.get(nested.__module__)
+        if module is not None and "." not in nested.__qualname__ and not hasattr(module, nested.__qualname__):
+            setattr(module, nested.__qualname__, nested)
+            lent.append((module, nested.__qualname__))
     try:
-        parsed = parser.parse_object({"settings": data})
-    except ArgumentError as error:
-        raise ConfigError(*_field_error(path, str(error))) from None
-    return parser.instantiate(parsed).settings
+        yield
+    finally:
+        for module, name in lent:
+            delattr(module, name)
+
+
+def _dataclasses_in(annotation, found: set | None = None) -> set:
+    """The dataclasses that ``annotation`` is or holds (fields, list items, dict values), itself included."""
+    found = set() if found is None else found
+    if isinstance(annotation, type) and dataclasses.is_dataclass(annotation) and annotation not in found:
+        found.add(annotation)
+        for f in dataclasses.fields(annotation):
+            _dataclasses_in(f.type, found)
+    for arg in typing.get_args(annotation):
+        _dataclasses_in(arg, found)
+    return found
 
 
 def _field_error(path: Path, message: str) -> tuple[str, str, Any]:

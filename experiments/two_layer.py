@@ -29,7 +29,6 @@ Writes ``two_layer_<table>.md`` / ``.json``, the MDS picture of the network's ne
 and step 2 (``two_layer_<table>_neurons_<setting>.png``; on the mixture after init, 5/8 of the steps and
 the end, with the centres) and the test accuracies against the paper's (``two_layer_<table>_accuracy.png``).
 """
-from __future__ import annotations
 
 import argparse
 import functools
@@ -49,6 +48,7 @@ from featlearn.lightning_modules.two_layer import draw_neurons
 from featlearn.metrics.figures import bars_figure
 
 
+# no postponed annotations in this module: see featlearn.experiments.settings.load_settings
 @dataclass
 class Method:
     """A column: its run config (``configs/two_layer/``), the model class replacing the config's

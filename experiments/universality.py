@@ -66,8 +66,7 @@ class MSweep:
     repeats: int          # labelled sets per m
 
 
-# No `from __future__ import annotations` in this module: Settings' nested fields must hold their classes, not names
-# that only this module resolves (run by name under cProfile, it is not sys.modules['__main__']).
+# no postponed annotations in this module: see featlearn.experiments.settings.load_settings
 @dataclass
 class Settings:
     """``configs/universality/experiment.yaml``."""
