@@ -59,8 +59,8 @@ class DivergenceGuard(L.Callback):
         self.check_every_n_steps = check_every_n_steps
         self.history: deque = deque(maxlen=window)   # (step, {quantity: value}) of the previous steps
         self.suspect = False
-        self._pending: list = []        # (meta, device tensor) of the steps not read yet
-        self._loss = None               # this step's (first loss value, loss finite) on the device
+        self._pending: list = []        # (meta, (loss checks, loss, norms, logged values)) of the steps not read yet
+        self._loss = None               # this step's backward passes: (loss copy, None) or (first value, all finite)
         self._loss_step = None          # the global step its loss was computed at
         self._trainer = None            # weak reference, to read the pending steps before a state_dict
 
@@ -141,14 +141,17 @@ class DivergenceGuard(L.Callback):
 
     # --- the checks ---------------------------------------------------------------------------------
     def _push(self, trainer, pl_module, outputs) -> None:
-        """Keep this step's checks on the device, without a host sync: references to its losses and logged values
-        (new tensors each step, never written again), and its parameter norms (the parameters change in place).
+        """Keep this step's checks on the device, without a host sync: references to its logged values (Lightning
+        never writes them in place), a copy of its loss, and its parameter norms (the parameters change in place).
         The float64 rows are built when they are read (:meth:`_rows`): converting each of a method's dozens of
         logged scalars here, one op each, cost more than its whole step."""
         metrics = {n: v for n, v in callback_metrics(trainer).items() if torch.is_tensor(v) and v.numel() == 1}
         params = [(n, p) for n, p in pl_module.named_parameters() if p.requires_grad]
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
-        loss = loss.detach().reshape(()).clone() if torch.is_tensor(loss) and loss.numel() == 1 else None
+        if torch.is_tensor(loss) and loss.numel() > 0:  # |loss|, watched for growth: of several values, the largest
+            loss = loss.detach().reshape(()).clone() if loss.numel() == 1 else loss.detach().abs().amax()
+        else:
+            loss = None
         norms = [torch.linalg.vector_norm(p.detach(), dtype=torch.float64) for _, p in params]
         values = [v if v.dim() == 0 else v.reshape(()) for v in metrics.values()]
         step = trainer.global_step
@@ -173,8 +176,9 @@ class DivergenceGuard(L.Callback):
                 if finite:
                     first, finite = value, ok
             abs_loss = abs(next(read)) if loss is not None else 0.0
-            norms = [next(read) for _ in norms]
-            rows.append([first, float(finite), abs_loss, math.hypot(*norms), *norms, *(next(read) for _ in values)])
+            norm_values = [next(read) for _ in norms]
+            rows.append([first, float(finite), abs_loss, math.hypot(*norm_values), *norm_values,
+                         *(next(read) for _ in values)])
         return rows
 
     def check_now(self, trainer, pl_module) -> None:
