@@ -137,15 +137,17 @@ class FeatureLearningModule(HookNameFastPath, L.LightningModule):
             return device == "cpu" and self.compile_pays_after is not None and steps >= self.compile_pays_after
         return wanted
 
-    def compile_loss(self, compiler: str = "inductor") -> None:
+    def compile_loss(self, compiler: str = "inductor", mode: str | None = None) -> None:
         """Replace this module's :attr:`compiled_loss` by its ``torch.compile`` (once) with ``compiler`` (the
         ``torch.compile`` backend; the GPU tests take ``aot_eager``: the same traced graphs without inductor's
-        compile time). Automatic dynamic: a float argument that changes (a scale) is traced as a symbol after
-        its first change, not recompiled at each value. Backend ``auto`` takes the PyTorch form of the fused
-        ops while it is traced."""
+        compile time) and inductor's ``mode`` (``"reduce-overhead"``: CUDA graphs on a GPU, which
+        ``featlearn bench step`` times on CUDA; no run sets it yet). Automatic dynamic: a float argument that
+        changes (a scale) is traced as a symbol after its first change, not recompiled at each value. Backend
+        ``auto`` takes the PyTorch form of the fused ops while it is traced."""
         name = self.compiled_loss
         if name is not None and name not in self.__dict__:
-            self.__dict__[name] = torch.compile(getattr(self, name), backend=compiler)
+            self.__dict__[name] = torch.compile(getattr(self, name), backend=compiler,
+                                                **({"mode": mode} if mode is not None else {}))
 
     def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:
         self.prepare_step(optimizer)

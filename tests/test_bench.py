@@ -176,3 +176,37 @@ def test_step_cases_take_the_main_jobs_configs():
     contrastive, _ = steps.gpu_method("contrastive")
     assert (contrastive.data_args["d"], contrastive.data_args["d1"], contrastive.model_args["lr"]) == (256, 2048, 1.0)
 
+
+
+def test_reduce_overhead_is_offered_on_cuda_only():
+    """Inductor's CUDA-graph mode is timed where it can pay (CUDA); a CPU run has no such row."""
+    from featlearn.bench import step_methods, steps
+
+    (spec,) = step_methods.method("universality", "smoke")
+    names = {device: {v.name for v in steps.step_case(spec, torch.device(device)).variants}
+             for device in ("cpu", "cuda")}
+    assert names["cuda"] - names["cpu"] == {"featlearn reduce-overhead"}
+    assert "featlearn compiled" in names["cpu"]
+    no_compile = {v.name for v in steps.step_case(spec, torch.device("cuda"), compiled=False).variants}
+    assert "featlearn reduce-overhead" not in no_compile
+
+
+def test_compile_loss_passes_the_mode_on(monkeypatch):
+    from featlearn.lightning_modules.universality import LinearContrastive
+
+    calls = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: calls.append(kwargs) or fn)
+    LinearContrastive().compile_loss()
+    LinearContrastive().compile_loss(mode="reduce-overhead")
+    assert calls == [{"backend": "inductor"}, {"backend": "inductor", "mode": "reduce-overhead"}]
+
+
+@pytest.mark.slow  # an inductor compile (~10-20 s on this CPU)
+def test_reduce_overhead_step_equals_the_plain_step_on_cpu():
+    """The variant's float64 check on the CPU (CUDA graphs do not apply there; the compiled loss does)."""
+    from featlearn.bench import step_methods, steps
+
+    (spec,) = step_methods.method("universality", "smoke")
+    got = steps.featlearn_one_step(spec, 0, torch.device("cpu"), torch.float64, compiled="reduce-overhead")
+    want = steps.plain_one_step(spec, 0, torch.device("cpu"), torch.float64, False)
+    assert harness.relative_error(got, want) <= 1e-10

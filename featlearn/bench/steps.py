@@ -14,6 +14,8 @@ from the method's definition and ``torch.compile`` of that loop.
 * ``featlearn compiled``: the same with ``model.compile: true`` (the module's loss under ``torch.compile``),
   after the ``featlearn`` run; its note gives the compile time (its first step less a step) and the steps
   after which the compile has paid for itself against ``featlearn`` (a cold compile: torch's caches empty).
+  On CUDA, ``featlearn reduce-overhead`` is the same in inductor's ``reduce-overhead`` mode (CUDA graphs of the
+  loss and its backward): whether the sub-millisecond steps, launch-bound on a GPU, gain from graphs.
 * ``plain eager``: the method's step in ~30 lines of PyTorch (one GEMM per branch; the stop-gradient branch
   from the same product where the method allows), SGD by hand and the method's step-finishing work
   (:mod:`featlearn.bench.step_methods`, one :class:`~featlearn.bench.step_methods.Method` per method).
@@ -70,6 +72,8 @@ from featlearn.lightning_modules.seeds import SeedStack
 __all__ = ["METHODS", "SIZES", "GPU_METHODS", "cases", "step_case"]
 FEATLEARN = "featlearn"
 FEATLEARN_COMPILED = "featlearn compiled"  # model.compile: true (the module's loss under torch.compile)
+FEATLEARN_GRAPHS = "featlearn reduce-overhead"  # the same in inductor's reduce-overhead mode (CUDA graphs; CUDA only)
+MODULE_COMPILES = {FEATLEARN_COMPILED: None, FEATLEARN_GRAPHS: "reduce-overhead"}  # variant: torch.compile mode
 FIT = "lightning fit"  # the step a user gets: the command in its own process (featlearn.bench.user_fit)
 SIZES = (*step_methods.SIZES, "gpu")
 GPU_METHODS = ("mrp", "contrastive")
@@ -140,14 +144,15 @@ def module_step(model, batch) -> None:
 
 
 def featlearn_one_step(spec: Method, seed: int, device: torch.device, dtype: torch.dtype,
-                       seeds: int = 1, compiled: bool = False) -> tuple[torch.Tensor, ...]:
+                       seeds: int = 1, compiled: bool | str = False) -> tuple[torch.Tensor, ...]:
     """One step through the module's own ``optimizer_step`` hook (the one the Trainer calls); with ``seeds`` > 1,
     of a :class:`~featlearn.lightning_modules.seeds.SeedStack` of seeds ``seed, seed + 1, ...``, whose first
-    seed's weights are returned; ``compiled``: with the module's loss compiled (``model.compile: true``)."""
+    seed's weights are returned; ``compiled``: with the module's loss compiled (``model.compile: true``; a
+    string: in that ``torch.compile`` mode)."""
     if seeds == 1:
         model, dm = spec.build(seed, dtype, device)
         if compiled:
-            model.compile_loss()
+            model.compile_loss(mode=compiled if isinstance(compiled, str) else None)
         module_step(model, spec.first_batch(dm, device, dtype))
         return tuple(getattr(model, k).detach() for k in spec.trained)
     stack, data = build_stack(spec, seed, seeds, dtype, device)
@@ -225,13 +230,21 @@ def _timer(spec: Method):
             return
         clock = _Clock(spec, passed, device, warmup)
         _fit(model, dm, clock, spec, device, warmup + rounds)
-        if FEATLEARN_COMPILED in passed:  # after S = 1; the compile is in its first (warm-up) step
+        for name in [n for n in MODULE_COMPILES if n in passed]:  # after S = 1; the compile is in the first step
             model, dm = spec.build(seed, spec.dtype, device)
-            model.compile_loss()
-            compiled = _Clock(spec, passed, device, max(warmup, 2), FEATLEARN_COMPILED, 1, clock.loops)
-            with _cold_compile():
-                _fit(model, dm, compiled, spec, device, max(warmup, 2) + rounds)
-            passed[FEATLEARN_COMPILED].note = _repays(compiled.first_step_s, passed[FEATLEARN], passed[FEATLEARN_COMPILED])
+            model.compile_loss(mode=MODULE_COMPILES[name])
+            compiled = _Clock(spec, passed, device, max(warmup, 2), name, 1, clock.loops)
+            try:
+                with _cold_compile():
+                    _fit(model, dm, compiled, spec, device, max(warmup, 2) + rounds)
+            except Exception as error:  # CUDA graphs reuse their outputs' memory: a step that keeps one fails here
+                if name != FEATLEARN_GRAPHS:
+                    raise
+                passed[name].seconds.clear()
+                passed[name].passed = False
+                passed[name].note = f"failed while timed: {type(error).__name__}: {str(error).splitlines()[0][:160]}"
+                continue
+            passed[name].note = _repays(compiled.first_step_s, passed[FEATLEARN], passed[name])
         if FIT in passed:  # between the in-process variants: a run of its own, a sample per logged interval
             for seconds in user_fit.fit_step_seconds(user_fit.config_of(spec.name), spec.data_args, spec.model_args,
                                                      spec.log_every, torch.get_num_threads()):
@@ -297,7 +310,7 @@ def step_case(spec: Method, device: torch.device, compiled: bool = True, flops: 
     """The case of one method: featlearn, the plain loops, ``featlearn xS`` for each S of ``seeds`` (S seeds
     in one run; its times are per seed-step, so its speed-ups compare it with S separate plain loops) and, with
     ``fit``, ``lightning fit`` (its check is the featlearn step's: the same module)."""
-    def variant(compiled: bool | None, count: int = 1, module_compiled: bool = False):
+    def variant(compiled: bool | None, count: int = 1, module_compiled: bool | str = False):
         def run(inputs):
             if compiled is None:
                 return featlearn_one_step(spec, inputs["seed"], device, torch.float64, count, module_compiled)
@@ -313,6 +326,8 @@ def step_case(spec: Method, device: torch.device, compiled: bool = True, flops: 
                 [Variant(FEATLEARN, variant(None), precision),
                  *([Variant(FEATLEARN_COMPILED, variant(None, module_compiled=True), precision)]
                    if compiled and spec.model.compiled_loss is not None else []),
+                 *([Variant(FEATLEARN_GRAPHS, variant(None, module_compiled="reduce-overhead"), precision)]
+                   if compiled and spec.model.compiled_loss is not None and device.type == "cuda" else []),
                  *[Variant(f"{FEATLEARN} x{n}", variant(None, n), precision) for n in seeds if n > 1],
                  *([Variant(FIT, variant(None), precision)] if fit else []),
                  Variant(EAGER, variant(False), precision),
