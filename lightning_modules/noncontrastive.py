@@ -294,7 +294,7 @@ class NonContrastiveModule(FeatureLearningModule):
         ws = self.trainer.world_size if self._trainer is not None else 1
         if self.gradient == "sample" and ws > 1:  # the loss is global (synced statistics); DDP averages gradients
             backprop = loss * ws
-        self.last_loss = loss.detach()
+        self.last_loss = loss.detach().clone()  # read after later steps: a copy (a CUDA graph reuses its output)
         if self.theory_due():
             rho = None
             if self.gradient == "sample" and self.out_norm == "bn":

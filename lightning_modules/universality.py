@@ -208,8 +208,9 @@ class LinearContrastive(FeatureLearningModule):
         """The step's logs and the running loss means of :meth:`learning_note`; returns ``loss``."""
         if self._trainer is not None and self.theory_due():
             self.log("train/loss", loss, sync_dist=True)
-        # a running mean on the device (no host sync) for the end-of-run check of on_train_end
-        now = loss.detach().float()
+        # a running mean on the device (no host sync) for the end-of-run check of on_train_end; a copy, not a view:
+        # a compiled loss's CUDA graph reuses its output's memory at the next replay
+        now = loss.detach().to(torch.float32, copy=True)
         self._loss_start = now if getattr(self, "_loss_start", None) is None else self._loss_start
         recent = getattr(self, "_loss_recent", None)
         self._loss_recent = now if recent is None else 0.9 * recent + 0.1 * now

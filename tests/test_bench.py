@@ -202,11 +202,56 @@ def test_compile_loss_passes_the_mode_on(monkeypatch):
 
 
 @pytest.mark.slow  # an inductor compile (~10-20 s on this CPU)
-def test_reduce_overhead_step_equals_the_plain_step_on_cpu():
-    """The variant's float64 check on the CPU (CUDA graphs do not apply there; the compiled loss does)."""
+def test_reduce_overhead_steps_equal_the_eager_module_steps_on_cpu():
+    """The variant's float64 check on the CPU (CUDA graphs do not apply there; the compiled loss does): three
+    steps, against the module's eager three, which differ from one step (so the check could fail)."""
     from featlearn.bench import step_methods, steps
 
     (spec,) = step_methods.method("universality", "smoke")
-    got = steps.featlearn_one_step(spec, 0, torch.device("cpu"), torch.float64, compiled="reduce-overhead")
-    want = steps.plain_one_step(spec, 0, torch.device("cpu"), torch.float64, False)
+    cpu = torch.device("cpu")
+    got = steps.featlearn_one_step(spec, 0, cpu, torch.float64, compiled="reduce-overhead", steps=steps.GRAPH_STEPS)
+    want = steps.featlearn_one_step(spec, 0, cpu, torch.float64, steps=steps.GRAPH_STEPS)
     assert harness.relative_error(got, want) <= 1e-10
+    assert harness.relative_error(steps.featlearn_one_step(spec, 0, cpu, torch.float64), want) > 1e-6
+
+
+def test_a_variant_is_checked_against_its_own_reference_and_a_bare_exception_is_reported():
+    one = lambda inputs: (torch.ones(3, dtype=torch.float64),)  # noqa: E731
+    two = lambda inputs: (2 * torch.ones(3, dtype=torch.float64),)  # noqa: E731
+
+    def bare(inputs):
+        raise AssertionError()  # no message, as many of torch's internal asserts
+
+    case = harness.Case("c", "", [harness.Variant("own", two, reference=two), harness.Variant("case's", two),
+                                  harness.Variant("bare", bare)],
+                        lambda dtype, dev, seed: {}, one, dtype=torch.float64)
+    own, cases, raised = harness.check(case, torch.device("cpu"), 0)
+    assert own.passed and not cases.passed
+    assert not raised.passed and raised.note == "AssertionError: "
+
+
+@pytest.mark.parametrize("plain_loop", [False, True])
+def test_a_graphs_row_that_fails_while_timed_is_failed_and_the_bench_goes_on(monkeypatch, plain_loop):
+    """A CUDA graph step that keeps an output fails only while timed: that row is FAILED, the others keep their
+    times; a plain loop's failure is not blamed on it."""
+    from featlearn.bench import step_methods, steps
+
+    (spec,) = step_methods.method("universality", "smoke")
+    real_fit = steps._fit
+
+    def fit(model, dm, clock, *args):
+        if clock.variant == steps.FEATLEARN_GRAPHS:
+            raise steps.PlainLoopError("plain loop") if plain_loop else AssertionError()
+        return real_fit(model, dm, clock, *args)
+
+    monkeypatch.setattr(steps, "_fit", fit)
+    results = [harness.Result(spec.name, "", v, 0.0, True) for v in (steps.FEATLEARN, steps.FEATLEARN_GRAPHS, "eager")]
+    if plain_loop:
+        with pytest.raises(steps.PlainLoopError):
+            steps._timer(spec)(None, results, torch.device("cpu"), 2, 1, 0)
+        return
+    steps._timer(spec)(None, results, torch.device("cpu"), 2, 1, 0)
+    featlearn, graphs, eager = results
+    assert not graphs.passed and graphs.seconds == [] and graphs.peak_bytes is None
+    assert graphs.note == "failed while timed: AssertionError: "
+    assert featlearn.passed and len(featlearn.seconds) == 2 and len(eager.seconds) == 2

@@ -15,7 +15,7 @@ from the method's definition and ``torch.compile`` of that loop.
   after the ``featlearn`` run; its note gives the compile time (its first step less a step) and the steps
   after which the compile has paid for itself against ``featlearn`` (a cold compile: torch's caches empty).
   On CUDA, ``featlearn reduce-overhead`` is the same in inductor's ``reduce-overhead`` mode (CUDA graphs of the
-  loss and its backward): whether the sub-millisecond steps, launch-bound on a GPU, gain from graphs.
+  loss and its backward), checked over three steps (a graph replayed) against the module's eager three.
 * ``plain eager``: the method's step in ~30 lines of PyTorch (one GEMM per branch; the stop-gradient branch
   from the same product where the method allows), SGD by hand and the method's step-finishing work
   (:mod:`featlearn.bench.step_methods`, one :class:`~featlearn.bench.step_methods.Method` per method).
@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import tempfile
 import warnings
 
@@ -74,6 +73,7 @@ FEATLEARN = "featlearn"
 FEATLEARN_COMPILED = "featlearn compiled"  # model.compile: true (the module's loss under torch.compile)
 FEATLEARN_GRAPHS = "featlearn reduce-overhead"  # the same in inductor's reduce-overhead mode (CUDA graphs; CUDA only)
 MODULE_COMPILES = {FEATLEARN_COMPILED: None, FEATLEARN_GRAPHS: "reduce-overhead"}  # variant: torch.compile mode
+GRAPH_STEPS = 3  # the graphs row's check: a warm-up run, a recording, then a replay
 FIT = "lightning fit"  # the step a user gets: the command in its own process (featlearn.bench.user_fit)
 SIZES = (*step_methods.SIZES, "gpu")
 GPU_METHODS = ("mrp", "contrastive")
@@ -104,9 +104,10 @@ def gpu_method(name: str) -> tuple[Method, float]:
             2 * rows * d["d1"] * m + 2 * d["batch_size"] * d["d1"] * m)
 
 
-# ------------------------------------------------------------------------------------------------
-# variants
-# ------------------------------------------------------------------------------------------------
+class PlainLoopError(RuntimeError):  # a plain loop failed while stepping beside a featlearn variant's run
+    pass
+
+
 class PlainLoop:
     """The plain loop's state and its step (``compiled``: its loss under torch.compile)."""
 
@@ -126,8 +127,9 @@ class PlainLoop:
         return tuple(self.state[k].detach() for k in self.spec.weights)
 
 
-def module_step(model, batch) -> None:
-    """One optimisation step through the module's own ``optimizer_step`` hook, as the Trainer calls it."""
+def module_step(model, batch, steps: int = 1) -> None:
+    """``steps`` optimisation steps on ``batch`` through the module's own ``optimizer_step`` hook, as the Trainer
+    calls it (without a Trainer the module's step count stays 0: compare several steps only with the module)."""
     optimizer = model.configure_optimizers()
     optimizer = optimizer["optimizer"] if isinstance(optimizer, dict) else optimizer
     optimizer = optimizer[0] if isinstance(optimizer, (list, tuple)) else optimizer
@@ -140,20 +142,21 @@ def module_step(model, batch) -> None:
 
     with warnings.catch_warnings():  # without a Trainer, ``self.log`` warns that there is nowhere to log
         warnings.simplefilter("ignore")
-        model.optimizer_step(0, 0, optimizer, closure)
+        for _ in range(steps):
+            model.optimizer_step(0, 0, optimizer, closure)
 
 
 def featlearn_one_step(spec: Method, seed: int, device: torch.device, dtype: torch.dtype,
-                       seeds: int = 1, compiled: bool | str = False) -> tuple[torch.Tensor, ...]:
+                       seeds: int = 1, compiled: bool | str = False, steps: int = 1) -> tuple[torch.Tensor, ...]:
     """One step through the module's own ``optimizer_step`` hook (the one the Trainer calls); with ``seeds`` > 1,
     of a :class:`~featlearn.lightning_modules.seeds.SeedStack` of seeds ``seed, seed + 1, ...``, whose first
     seed's weights are returned; ``compiled``: with the module's loss compiled (``model.compile: true``; a
-    string: in that ``torch.compile`` mode)."""
+    string: in that ``torch.compile`` mode); ``steps``: that many on the first batch (:func:`module_step`)."""
     if seeds == 1:
         model, dm = spec.build(seed, dtype, device)
         if compiled:
             model.compile_loss(mode=compiled if isinstance(compiled, str) else None)
-        module_step(model, spec.first_batch(dm, device, dtype))
+        module_step(model, spec.first_batch(dm, device, dtype), steps)
         return tuple(getattr(model, k).detach() for k in spec.trained)
     stack, data = build_stack(spec, seed, seeds, dtype, device)
     module_step(stack, {"seeds": [spec.first_batch(dm, device, dtype) for dm in data.members]})
@@ -205,7 +208,10 @@ class _Clock(L.Callback):
             self.results[self.variant].record(self.meter.seconds / self.seeds, self.meter.peak_bytes)
         for name, loop in self.loops.items():
             with Meter(self.device) as m:
-                loop()
+                try:
+                    loop()
+                except Exception as error:  # not the module's: never taken for a failure of the timed variant
+                    raise PlainLoopError(f"plain loop {name!r} failed") from error
             if timed:
                 self.results[name].record(m.seconds, m.peak_bytes)
 
@@ -238,11 +244,12 @@ def _timer(spec: Method):
                 with _cold_compile():
                     _fit(model, dm, compiled, spec, device, max(warmup, 2) + rounds)
             except Exception as error:  # CUDA graphs reuse their outputs' memory: a step that keeps one fails here
-                if name != FEATLEARN_GRAPHS:
+                if name != FEATLEARN_GRAPHS or isinstance(error, PlainLoopError):
                     raise
                 passed[name].seconds.clear()
-                passed[name].passed = False
-                passed[name].note = f"failed while timed: {type(error).__name__}: {str(error).splitlines()[0][:160]}"
+                passed[name].passed, passed[name].peak_bytes = False, None
+                first = (str(error).splitlines() or [""])[0][:160]
+                passed[name].note = f"failed while timed: {type(error).__name__}: {first}"
                 continue
             passed[name].note = _repays(compiled.first_step_s, passed[FEATLEARN], passed[name])
         if FIT in passed:  # between the in-process variants: a run of its own, a sample per logged interval
@@ -260,20 +267,16 @@ def _timer(spec: Method):
 
 @contextlib.contextmanager
 def _cold_compile():
-    """A compile without torch's caches: dynamo's in-memory entries dropped (the check compiled the same loss)
-    and inductor's on-disk folder new and empty. A process's first compile pays a few seconds more (inductor's
-    imports and set-up): docs/performance.md gives fresh-process times."""
+    """A compile without torch's caches: dynamo's entries dropped, inductor's in-memory kernels and on-disk folders
+    (its own, Triton's) fresh for it and restored after, so a second mode's compile pays in full too. A process's
+    first compile pays a few seconds more (docs/performance.md: fresh-process times). No dynamo reset on the way
+    out: the plain compiled loop, recompiled in this fit's warm-up, keeps its code."""
+    from torch._inductor import utils as inductor_utils
+
     torch._dynamo.reset()
-    before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    with tempfile.TemporaryDirectory() as cache:
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
-        try:
-            yield
-        finally:  # no reset on the way out: the plain compiled loop recompiled in this fit's warm-up keeps its code
-            if before is None:
-                os.environ.pop("TORCHINDUCTOR_CACHE_DIR")
-            else:
-                os.environ["TORCHINDUCTOR_CACHE_DIR"] = before
+    fresh = getattr(inductor_utils, "fresh_cache", None) or inductor_utils.fresh_inductor_cache
+    with fresh():
+        yield
 
 
 def _repays(first_step_s: float, eager: Result, compiled: Result) -> str:
@@ -310,10 +313,10 @@ def step_case(spec: Method, device: torch.device, compiled: bool = True, flops: 
     """The case of one method: featlearn, the plain loops, ``featlearn xS`` for each S of ``seeds`` (S seeds
     in one run; its times are per seed-step, so its speed-ups compare it with S separate plain loops) and, with
     ``fit``, ``lightning fit`` (its check is the featlearn step's: the same module)."""
-    def variant(compiled: bool | None, count: int = 1, module_compiled: bool | str = False):
+    def variant(compiled: bool | None, count: int = 1, module_compiled: bool | str = False, steps: int = 1):
         def run(inputs):
             if compiled is None:
-                return featlearn_one_step(spec, inputs["seed"], device, torch.float64, count, module_compiled)
+                return featlearn_one_step(spec, inputs["seed"], device, torch.float64, count, module_compiled, steps)
             return plain_one_step(spec, inputs["seed"], device, torch.float64, compiled)
         return run
 
@@ -326,7 +329,9 @@ def step_case(spec: Method, device: torch.device, compiled: bool = True, flops: 
                 [Variant(FEATLEARN, variant(None), precision),
                  *([Variant(FEATLEARN_COMPILED, variant(None, module_compiled=True), precision)]
                    if compiled and spec.model.compiled_loss is not None else []),
-                 *([Variant(FEATLEARN_GRAPHS, variant(None, module_compiled="reduce-overhead"), precision)]
+                 # graphs recorded, then replayed: against the module's eager steps (the featlearn row's check)
+                 *([Variant(FEATLEARN_GRAPHS, variant(None, module_compiled="reduce-overhead", steps=GRAPH_STEPS),
+                            precision, reference=variant(None, steps=GRAPH_STEPS))]
                    if compiled and spec.model.compiled_loss is not None and device.type == "cuda" else []),
                  *[Variant(f"{FEATLEARN} x{n}", variant(None, n), precision) for n in seeds if n > 1],
                  *([Variant(FIT, variant(None), precision)] if fit else []),
