@@ -162,7 +162,7 @@ def check(case: Case, device: torch.device, seed: int) -> list[Result]:
             error = relative_error(variant.run(inputs), (variant.reference or case.reference)(to_float64(inputs)))
             note = ""
         except Exception as err:  # noqa: BLE001 - a variant that cannot run is reported, not fatal
-            error, note = float("inf"), f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:120]}"
+            error, note = float("inf"), error_note(err)
         tolerance = TOLERANCE[case.dtype] if variant.tolerance is None else variant.tolerance  # 0: bit for bit
         passed = error <= tolerance
         precision = variant.precision or ("fp64" if case.dtype == torch.float64 else "ieee")
@@ -170,6 +170,11 @@ def check(case: Case, device: torch.device, seed: int) -> list[Result]:
                               note=note or ("" if passed else f"error {error:.1e} > {tolerance:.0e}"),
                               precision=precision, flops=case.flops, bytes=case.bytes))
     return results
+
+
+def error_note(err: BaseException, width: int = 120) -> str:
+    """``Type: first line of the message`` (``Type: `` for an exception without one, as torch's bare asserts)."""
+    return f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:width]}"
 
 
 def to_float64(inputs: dict) -> dict:

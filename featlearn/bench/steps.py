@@ -55,7 +55,7 @@ import warnings
 import lightning as L
 import torch
 
-from featlearn.bench.harness import COMPILED, EAGER, Case, Meter, Result, Variant
+from featlearn.bench.harness import COMPILED, EAGER, Case, Meter, Result, Variant, error_note
 from featlearn.bench import step_methods, user_fit
 from featlearn.bench.step_methods import METHODS, Method, method
 from featlearn.callbacks import DivergenceGuard
@@ -248,8 +248,7 @@ def _timer(spec: Method):
                     raise
                 passed[name].seconds.clear()
                 passed[name].passed, passed[name].peak_bytes = False, None
-                first = (str(error).splitlines() or [""])[0][:160]
-                passed[name].note = f"failed while timed: {type(error).__name__}: {first}"
+                passed[name].note = f"failed while timed: {error_note(error, 160)}"
                 continue
             passed[name].note = _repays(compiled.first_step_s, passed[FEATLEARN], passed[name])
         if FIT in passed:  # between the in-process variants: a run of its own, a sample per logged interval
